@@ -1,0 +1,72 @@
+"""Conversations -> tokenized samples (ids + assistant loss mask), a stable split and the draft vocabulary."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3ops.data.chat import tokenize_conversation
+from eagle3ops.data.conversations import DatasetError
+from eagle3ops.data.shards import ShardWriter, iter_samples
+
+
+@dataclass
+class TokenizeStats:
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_no_assistant: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    dropped_ids: list[str] = field(default_factory=list)
+
+
+def tokenize_dataset(tokenizer, conversations: list[dict], max_len: int, source: str) -> tuple[list[dict], TokenizeStats]:
+    """Each conversation -> {"id", "input_ids", "loss_mask"}; truncation is counted, and a sample left with no
+    assistant token is dropped (and counted): it would train nothing."""
+    stats = TokenizeStats(conversations=len(conversations))
+    samples = []
+    for record in conversations:
+        tokenized = tokenize_conversation(tokenizer, record["messages"], max_len)
+        stats.truncated += tokenized.truncated
+        if not any(tokenized.loss_mask):
+            stats.dropped_no_assistant += 1
+            stats.dropped_ids.append(record["id"])
+            continue
+        samples.append({"id": record["id"], "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask})
+        stats.tokens += len(tokenized.input_ids)
+        stats.loss_tokens += sum(tokenized.loss_mask)
+    stats.kept = len(samples)
+    if not samples:
+        raise DatasetError(f"{source}: no sample left with an assistant token after tokenizing and truncating to "
+                           f"max_len={max_len} ({stats.conversations} conversations read)")
+    return samples, stats
+
+
+def in_eval_split(sample_id: str, eval_fraction: float) -> bool:
+    """Stable across runs, machines and dataset order: decided by a hash of the id alone."""
+    bucket = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2**64
+    return bucket < eval_fraction
+
+
+def split(samples: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    train = [s for s in samples if not in_eval_split(s["id"], eval_fraction)]
+    held_out = [s for s in samples if in_eval_split(s["id"], eval_fraction)]
+    if eval_fraction > 0 and not held_out and len(train) > 1:
+        held_out = [train.pop()]  # tiny datasets: keep at least one held-out sample
+    return train, held_out
+
+
+def write_tokenized(samples: list[dict], out_dir: str | Path, meta: dict) -> dict:
+    writer = ShardWriter(Path(out_dir), samples_per_shard=max(1, len(samples)), meta=meta)
+    for sample in samples:
+        writer.add(sample["id"], {"input_ids": torch.tensor(sample["input_ids"], dtype=torch.int32),
+                                  "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8)})
+    return writer.close()
+
+
+def read_tokenized(directory: str | Path) -> list[dict]:
+    return [{"id": sample_id, "input_ids": t["input_ids"].tolist(), "loss_mask": t["loss_mask"].tolist()}
+            for sample_id, t in iter_samples(directory)]

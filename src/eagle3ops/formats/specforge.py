@@ -1,0 +1,132 @@
+"""Drafter checkpoints in the SpecForge / SGLang "LlamaForCausalLMEagle3" layout.
+
+    <dir>/config.json          architectures ["LlamaForCausalLMEagle3"], eagle_config {...}
+    <dir>/model.safetensors    fc, midlayer.*, norm, lm_head, d2t, t2d (no embedding: it is the target's)
+    <dir>/training_state.pt    optional: optimizer, scheduler, step, RNG states, for resuming
+
+`eagle_aux_hidden_state_layer_ids` is written in SGLang's convention (id i = output of decoder layer i), which
+is HF hidden_states index i + 1; in memory we keep HF indices (see modeling/target.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3ops.errors import InputError
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+TRAINING_STATE = "training_state.pt"
+
+
+class CheckpointError(InputError):
+    """A drafter checkpoint that cannot be read or does not fit."""
+
+
+def to_hf_config(cfg: DraftConfig) -> dict:
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [index - 1 for index in cfg.aux_layers],
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def from_hf_config(config: dict, where: str) -> DraftConfig:
+    try:
+        eagle = config.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        return DraftConfig(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            head_dim=config.get("head_dim"),
+            vocab_size=config["vocab_size"],
+            draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+            target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+            aux_layers=[i + 1 for i in ids] if ids is not None else [],
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            rope_theta=config.get("rope_theta", 10000.0),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        )
+    except KeyError as err:
+        raise CheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
+
+
+def read_config(directory: str | Path) -> DraftConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json; not a drafter checkpoint")
+    return from_hf_config(json.loads(path.read_text()), str(path))
+
+
+def save_drafter(draft: Eagle3Draft, directory: str | Path, training_state: dict | None = None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(to_hf_config(draft.cfg), indent=2) + "\n")
+    tensors = {name: t.detach().contiguous().cpu() for name, t in draft.state_dict().items()
+               if not name.startswith("embed_tokens.")}
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    if training_state is not None:
+        torch.save(training_state, directory / TRAINING_STATE)
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no {WEIGHTS}")
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def load_into(draft: Eagle3Draft, directory: str | Path) -> None:
+    """Copy a checkpoint's weights (and its d2t/t2d) into `draft`; any key or shape that does not fit is named."""
+    weights = read_weights(directory)
+    expected = {name: t.shape for name, t in draft.state_dict().items() if not name.startswith("embed_tokens.")}
+    problems = [f"{name}: checkpoint {tuple(weights[name].shape)} vs drafter {tuple(shape)}"
+                for name, shape in expected.items() if name in weights and weights[name].shape != shape]
+    problems += [f"{name}: missing from the checkpoint" for name in expected if name not in weights]
+    problems += [f"{name}: not a drafter parameter" for name in weights if name not in expected]
+    if problems:
+        raise CheckpointError(f"{directory}: the checkpoint does not fit the drafter:\n  " + "\n  ".join(problems))
+    draft.load_state_dict(weights, strict=False)
+
+
+def load_drafter(directory: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
+    """A drafter from `directory`, with the target's embedding [V, H] put in."""
+    cfg = read_config(directory)
+    if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{directory}: drafter expects a target embedding of {(cfg.vocab_size, cfg.hidden_size)}, "
+                              f"the target has {tuple(embedding.shape)}")
+    draft = Eagle3Draft(cfg)
+    load_into(draft, directory)
+    draft.embed_tokens.weight.data.copy_(embedding)
+    return draft
+
+
+def load_training_state(directory: str | Path) -> dict | None:
+    path = Path(directory) / TRAINING_STATE
+    return torch.load(path, weights_only=True) if path.is_file() else None

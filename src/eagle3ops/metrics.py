@@ -1,0 +1,24 @@
+"""Stage metrics: one JSON file per stage run under metrics/ (DVC metrics, not cached), mirrored to MLflow."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3ops.fs import write_json_atomic
+
+METRICS_DIR = Path("metrics")
+PLOTS_DIR = Path("plots")
+
+
+def record(run, name: str, metrics: dict) -> dict:
+    """Write metrics/<name>.json with the stage's phase timings and log the numeric values to the run."""
+    result = {**metrics, "time": {f"{phase}_s": round(seconds, 3) for phase, seconds in run.timings.items()}}
+    result["time"]["stage_s"] = round(run.elapsed(), 3)
+    write_json_atomic(METRICS_DIR / f"{name}.json", result)
+    run.log_metrics({key: float(value) for key, value in metrics.items()
+                     if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    return result
+
+
+def read_all(directory: str | Path = METRICS_DIR) -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(Path(directory).glob("*.json"))}

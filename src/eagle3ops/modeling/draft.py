@@ -1,0 +1,247 @@
+"""The EAGLE-3 draft model, its training-time-test (TTT) attention and its loss, in one place.
+
+Notation: B batch, T sequence, H hidden size (= the target's), Ht target hidden size, V target vocabulary,
+Vd draft vocabulary, nh / nkv attention / key-value heads, hd head dim, K number of TTT steps.
+
+Per position t the drafter sees the fused target feature g_t = fc(cat(h_low, h_mid, h_high)) and the embedding
+of the next token x_{t+1}, and predicts x_{t+2}. One Llama decoder layer whose attention input is 2H wide:
+cat(input_layernorm(embedding), hidden_norm(feature)); the residual stream is the feature. Its pre-norm output
+is the feature for the next draft step, at training time (TTT) and when serving.
+
+Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` checkpoints (`fc`, `midlayer.*`,
+`norm`, `lm_head`, buffers `d2t`, `t2d`); the embedding is the target's, frozen, and never saved.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the features come from
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, 1, T, hd] (Llama's rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys/values of the draft layer while serving: [B, nkv, L, hd], cut back after each verification."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
+        self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.repeat_interleave(self.nh // self.nkv, dim=1)  # [B, nkv, ., hd] -> [B, nh, ., hd]
+
+    def forward_ttt(self, x, cos, sin, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """TTT step k = len(ttt_cache): queries attend causally to step-0 keys and to the keys of steps 1..k at
+        their own position only. x [B, T, 2H] -> [B, T, H]; appends this step's keys/values to `ttt_cache`."""
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        ttt_cache.append((self._expand(k), self._expand(v)))
+        (k0, v0), later = ttt_cache[0], ttt_cache[1:]
+        scale = 1.0 / math.sqrt(self.hd)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, nh, T, T]
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in later]  # k x [B, nh, T, 1]
+        weights = torch.cat([scores0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nh, T, T + k]
+        out = weights[..., :T] @ v0  # [B, nh, T, hd]
+        for j, (_, vj) in enumerate(later):
+            out = out + weights[..., T + j : T + j + 1] * vj
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def forward_cached(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
+        """Serving: new positions attend causally to everything cached. x [B, n, 2H] -> [B, n, H]."""
+        B, n, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        past = cache.length
+        keys, values = cache.append(k, v)
+        causal = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        out = F.scaled_dot_product_attention(q, self._expand(keys), self._expand(values), attn_mask=causal)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, ttt_cache=None, kv_cache=None) -> torch.Tensor:
+        """embeds, hidden [B, T, H] -> new hidden [B, T, H] (pre-norm residual stream)."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        if kv_cache is not None:
+            attn = self.self_attn.forward_cached(x, cos, sin, kv_cache)
+        else:
+            attn = self.self_attn.forward_ttt(x, cos, sin, ttt_cache)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3Ht] target features -> [B, T, H]."""
+        return self.fc(aux_hidden)
+
+    def step(self, input_ids, hidden, positions, ttt_cache=None, kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward. input_ids [B, T], hidden [B, T, H], positions [B, T]
+        -> (hidden out [B, T, H], draft logits [B, T, Vd])."""
+        cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache, kv_cache)
+        return hidden, self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
+    """[B, T, ...] -> the same shape, x[:, t + by] at t, zero-padded at the end."""
+    return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], dim=1)
+
+
+def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target's next-token distribution restricted to the draft vocabulary.
+
+    final_hidden [B, T, Ht] (after the target's final norm), lm_head_weight [V, Ht]
+    -> probs [B, T, Vd], in_draft [B, T] (the target's argmax is a draft token; only such positions count).
+    """
+    logits = final_hidden.float() @ lm_head_weight.float().T  # [B, T, V]
+    in_draft = t2d[logits.argmax(-1)]
+    return logits[..., t2d].softmax(-1), in_draft
+
+
+def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
+             ttt_steps: int = 7, decay: float = 0.8) -> tuple[torch.Tensor, list[float], list[float], list[int]]:
+    """Training-time test: K draft steps, each feeding its own output hidden state to the next.
+
+    input_ids, loss_mask [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]; loss_mask marks the
+    tokens the drafter must predict. Step k at position t sees emb(x_{t+k+1}), predicts x_{t+k+2} against the
+    target's distribution at t+k+1, and counts where loss_mask[t+k+2] is 1 and the target's argmax is in
+    the draft vocabulary. Returns (sum_k decay^k * loss_k, loss_k, acc_k, counted positions per step).
+    """
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    target_p, in_draft = target_distribution(final_hidden, lm_head_weight, draft.t2d)
+    next_ids = shift_left(input_ids)  # x_{t+1} at t
+    target_p = shift_left(target_p)  # distribution of x_{t+2} at t
+    counted = shift_left(in_draft) & shift_left(loss_mask, 2).bool()  # [B, T]
+    hidden = draft.fuse(aux_hidden)
+    ttt_cache: list = []
+    total = hidden.new_zeros((), dtype=torch.float32)
+    losses, accs, counts = [], [], []
+    for k in range(ttt_steps):
+        hidden, logits = draft.step(next_ids, hidden, positions, ttt_cache=ttt_cache)
+        logp = logits.float().log_softmax(-1)  # [B, T, Vd]
+        n = counted.sum()
+        loss_k = -((target_p * logp).sum(-1) * counted).sum() / n.clamp(min=1)
+        correct = ((logits.argmax(-1) == target_p.argmax(-1)) & counted).sum()
+        total = total + decay**k * loss_k
+        losses.append(loss_k.item())
+        accs.append((correct / n.clamp(min=1)).item())
+        counts.append(int(n))
+        next_ids, target_p, counted = shift_left(next_ids), shift_left(target_p), shift_left(counted)
+    return total, losses, accs, counts

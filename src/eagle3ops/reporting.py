@@ -1,0 +1,82 @@
+"""Comparison of the pipeline's variants: a markdown table, a CSV for `dvc plots`, and a PNG."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS
+
+STAGES = ("zoo", "generate", "prepare", "extract", *(f"train-{i}" for i in TRAIN_INITS),
+          *(f"eval-{d}" for d in EVAL_DRAFTERS))
+
+
+def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
+    rows = []
+    for drafter in EVAL_DRAFTERS:
+        m = metrics.get(f"eval-{drafter}")
+        if m is None:
+            continue
+        train = metrics.get(f"train-{drafter}", {})
+        rows.append({"drafter": drafter, "tau": m["tau"],
+                     **{f"a{i}": m[f"accept_{i}"] for i in range(1, m["k"] + 1)},
+                     "lossless": "yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)",
+                     "ttt acc_0 (held-out)": train.get("eval_acc_0", float("nan")),
+                     **{f"tau {name}": tau for name, tau in m["tau_by_set"].items()}})
+    return pd.DataFrame(rows)
+
+
+def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
+    rows = []
+    for stage in STAGES:
+        m = metrics.get(stage)
+        if m is None:
+            continue
+        time = m.get("time", {})
+        throughput = next((f"{m[key]:,.0f} {unit}" for key, unit in
+                           (("tokens_per_s", "tok/s"), ("spec_tokens_per_s", "tok/s (speculative)")) if key in m), "")
+        rows.append({"stage": stage, "wall s": time.get("stage_s"), "load s": time.get("load_s"),
+                     "throughput": throughput})
+    return pd.DataFrame(rows)
+
+
+def acceptance_curve(metrics: dict[str, dict]) -> pd.DataFrame:
+    """Long form (drafter, position, acceptance) for `dvc plots` and the PNG."""
+    rows = [{"drafter": d, "position": i, "acceptance": metrics[f"eval-{d}"][f"accept_{i}"]}
+            for d in EVAL_DRAFTERS if f"eval-{d}" in metrics for i in range(1, metrics[f"eval-{d}"]["k"] + 1)]
+    return pd.DataFrame(rows, columns=["drafter", "position", "acceptance"])
+
+
+def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], path: Path) -> None:
+    curve = acceptance_curve(metrics)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    taus = [(d, metrics[f"eval-{d}"]["tau"]) for d in EVAL_DRAFTERS if f"eval-{d}" in metrics]
+    bars = axes[0].bar([d for d, _ in taus], [t for _, t in taus], color=["#999999", "#1f77b4", "#ff7f0e"][: len(taus)])
+    axes[0].bar_label(bars, fmt="%.2f")
+    axes[0].set(title="Acceptance length tau (greedy, chain)", ylabel="tokens per verification step")
+    for drafter, group in curve.groupby("drafter", sort=False):
+        axes[1].plot(group["position"], group["acceptance"], marker="o", label=drafter)
+    axes[1].set(title="Per-position acceptance", xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
+    axes[1].legend()
+    for init, history in train_histories.items():
+        if "train/acc_0" in history:
+            axes[2].plot(history["step"], history["train/acc_0"], label=f"{init} acc_0")
+    axes[2].set(title="Training: step-0 accuracy", xlabel="optimizer step", ylim=(0, 1.05))
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
+    acceptance = acceptance_table(metrics)
+    timings = timing_table(metrics)
+    lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
+             acceptance.to_markdown(index=False, floatfmt=".3f") if len(acceptance) else "(no eval results)", "",
+             "## Stage timings", "", timings.to_markdown(index=False, floatfmt=".1f") if len(timings) else "", "",
+             f"MLflow runs: `mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000", ""]
+    return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""One MLflow run per DVC stage run, grouped under one parent run per pipeline run.
+
+Every stage is its own process, so the parent cannot be held open across stages: each stage finds the parent by its
+`eagle3ops.pipeline_key` tag (or creates it), hangs its own run under it with `parent_run_id`, and leaves the parent
+FINISHED again, so the UI never shows a pipeline spinning after the last stage ended.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
+from omegaconf import OmegaConf
+
+from eagle3ops import hardware
+from eagle3ops.config import Config
+
+# Keep stdout for the stages' own output: no "View run ... at" line per run (an environment setting, so a user who
+# wants the links can still set it to false).
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+PIPELINE_KEY_TAG = "eagle3ops.pipeline_key"
+ROLE_TAG = "eagle3ops.role"  # "pipeline" on the parent, "stage" on children: both carry the pipeline key
+# MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
+MAX_PARAM_CHARS = 500
+
+
+def _root() -> Path:
+    """The repository root: DVC's when a stage runs under it, else the working directory."""
+    return Path(os.environ.get("DVC_ROOT") or os.getcwd()).absolute()
+
+
+def _default_uri(root: Path) -> str:
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def tracking_uri(cfg: Config) -> str:
+    """Where runs are recorded: the config's URI, else $MLFLOW_TRACKING_URI, else mlflow.db at the repo root."""
+    return cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_uri(_root())
+
+
+def params_digest(cfg: Config) -> str:
+    """Short hash of the resolved config: equal digests mean the stages ran with the same parameters."""
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            text = json.dumps(value) if isinstance(value, list) else str(value)
+            flat[name] = text[:MAX_PARAM_CHARS]
+    return flat
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """Output of a git command in `root`, or None where there is no git or no repository."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _git_state(root: Path) -> tuple[str, bool]:
+    """(HEAD commit or "nogit", whether the work tree differs from it)."""
+    commit = _git(root, "rev-parse", "HEAD") or "nogit"
+    # dvc.lock is rewritten after every stage of a `dvc repro`; counting it would mark all later stages dirty.
+    status = _git(root, "status", "--porcelain", "--", ":(exclude,glob)**/dvc.lock")
+    return commit, bool(status)
+
+
+def _normalise(path: str | Path, root: Path) -> str:
+    return Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
+
+
+def _input_md5s(inputs: Sequence[str | Path], root: Path) -> dict[str, str]:
+    """md5 that dvc.lock records for each input as some stage's output; inputs it does not list are left out."""
+    lock = root / "dvc.lock"
+    if not inputs or not lock.is_file():
+        return {}
+    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    recorded = {
+        _normalise(root / out["path"], root): str(out["md5"])
+        for stage in stages.values()
+        for out in stage.get("outs") or []
+        if "path" in out and "md5" in out
+    }
+    wanted = (_normalise(path, root) for path in inputs)
+    return {path: recorded[path] for path in wanted if path in recorded}
+
+
+def _tag_key(text: str) -> str:
+    return re.sub(r"[^\w./\- ]", "_", text)  # the characters MLflow allows in tag names
+
+
+def _experiment_id(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another stage process created it just now
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _parent_run_id(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str]) -> str:
+    """The pipeline's parent run, created FINISHED on first use."""
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`{ROLE_TAG}` = 'pipeline'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1,
+    )
+    if found:
+        run_id = found[0].info.run_id
+        for tag, value in tags.items():
+            client.set_tag(run_id, tag, value)
+        return run_id
+    run = client.create_run(experiment_id, run_name=name, tags={ROLE_TAG: "pipeline", **tags})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+class StageRun:
+    """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts."""
+
+    def __init__(self, client: MlflowClient, run_id: str) -> None:
+        self._client = client
+        self.run_id = run_id
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as `time/<name>_s` (also when it raises); a phase entered again adds up."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            self.log_metrics({f"time/{name}_s": self.timings[name]})
+
+    def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
+        """Log the finite values; None, NaN and inf are skipped rather than polluting the charts."""
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key, float(value), now, step or 0)
+            for key, value in metrics.items()
+            if value is not None and math.isfinite(float(value))
+        ]
+        if batch:
+            self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Log a file, or a directory as a folder of its own name (unless `artifact_path` names one)."""
+        path = Path(path)
+        if path.is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path or path.name)
+        else:
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+@contextmanager
+def stage_run(
+    cfg: Config, stage: str, variant: str | None = None, inputs: Sequence[str | Path] = ()
+) -> Iterator[StageRun]:
+    """Record one stage run as a child of its pipeline's parent run; FAILED if the block raises."""
+    start = time.perf_counter()
+    root = _root()
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
+    artifacts = (root / "mlruns").as_uri() if uri == _default_uri(root) else None
+    experiment_id = _experiment_id(client, cfg.mlflow.experiment, artifacts)
+
+    commit, dirty = _git_state(root)
+    digest = params_digest(cfg)
+    exp_name = os.environ.get("DVC_EXP_NAME")
+    key = exp_name or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
+    shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
+    parent_id = _parent_run_id(client, experiment_id, key, exp_name or f"pipeline-{key}", shared)
+
+    fp = hardware.fingerprint()
+    tags = {
+        **shared,
+        ROLE_TAG: "stage",
+        "eagle3ops.stage": stage,
+        "eagle3ops.variant": variant or "",
+        "eagle3ops.dvc_stage": os.environ.get("DVC_STAGE", ""),
+        "eagle3ops.git_dirty": str(dirty).lower(),
+        "hardware.label": hardware.label(fp, cfg.hardware.label),
+        **{f"hardware.{name}": str(value) for name, value in fp.items()},
+        **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in _input_md5s(inputs, root).items()},
+    }
+    run_name = f"{stage}@{variant}" if variant else stage
+    active = mlflow.start_run(
+        experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags, log_system_metrics=False
+    )
+    status = "FAILED"
+    try:
+        mlflow.log_params(_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))))
+        yield StageRun(client, active.info.run_id)
+        status = "FINISHED"
+    finally:
+        try:
+            client.log_metric(active.info.run_id, "time/stage_wall_s", time.perf_counter() - start)
+        finally:
+            mlflow.end_run(status)
+            client.set_terminated(parent_id, "FINISHED")  # moves the parent's end time to this stage's end

@@ -1,0 +1,200 @@
+"""The drafter training loop: plain PyTorch, one place, called by the train stage and by the zoo.
+
+AdamW, linear warmup then cosine decay, gradient clipping, the TTT loss of modeling/draft.py. Batches are
+right-padded (causal attention never looks right, and padded positions carry loss_mask 0), shuffled per epoch
+by a generator seeded from (seed, epoch), so a run resumed from its training state sees the same batches.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
+from eagle3ops.data.shards import iter_samples
+from eagle3ops.progress import progress as progress_bar
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
+    warmup = max(1, round(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def pad_batch(samples: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad ragged samples ({name: [T_i, ...]}) to [B, T_max, ...]."""
+    length = max(s["input_ids"].shape[0] for s in samples)
+    batch = {}
+    for name in samples[0]:
+        first = samples[0][name]
+        out = first.new_zeros((len(samples), length, *first.shape[1:]))
+        for row, sample in enumerate(samples):
+            out[row, : sample[name].shape[0]] = sample[name]
+        batch[name] = out.to(device, non_blocking=True)
+    return batch
+
+
+def batches(samples: list, batch_size: int, seed: int, epoch: int) -> list[list]:
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    return [[samples[i] for i in order[start : start + batch_size]] for start in range(0, len(order), batch_size)]
+
+
+def _batch_loss(draft, batch, lm_head, ttt_steps, decay):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
+        return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].float(), batch["final_hidden"].float(),
+                        batch["loss_mask"], lm_head, ttt_steps, decay)
+
+
+@torch.no_grad()
+def evaluate(draft: Eagle3Draft, samples: list, lm_head: torch.Tensor, batch_size: int, ttt_steps: int,
+             decay: float, device: torch.device) -> dict[str, float]:
+    """Held-out TTT loss and per-step accuracy, weighted by counted positions."""
+    draft.eval()
+    weighted_loss, correct, counted = 0.0, [0.0] * ttt_steps, [0] * ttt_steps
+    for start in range(0, len(samples), batch_size):
+        batch = pad_batch(samples[start : start + batch_size], device)
+        _, losses, accs, counts = _batch_loss(draft, batch, lm_head, ttt_steps, decay)
+        for k in range(ttt_steps):
+            correct[k] += accs[k] * counts[k]
+            counted[k] += counts[k]
+        weighted_loss += sum(decay**k * losses[k] * counts[k] for k in range(ttt_steps)) / max(1, counts[0])
+    draft.train()
+    metrics = {f"eval/acc_{k}": correct[k] / max(1, counted[k]) for k in range(ttt_steps)}
+    metrics["eval/loss"] = weighted_loss / max(1, math.ceil(len(samples) / batch_size))
+    return metrics
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    wall_s: float
+    final: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, lm_head: torch.Tensor,
+                  optim: DrafterTrainConfig, seed: int, device: torch.device,
+                  log: Callable[[int, dict[str, float]], None] | None = None, state: dict | None = None,
+                  desc: str = "train") -> tuple[TrainResult, dict]:
+    """Train in place. Returns the result and the training state to save beside the checkpoint."""
+    seed_everything(seed)
+    draft.to(device).train()
+    lm_head = lm_head.to(device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    steps_per_epoch = math.ceil(len(train_samples) / optim.batch_size)
+    total_steps = steps_per_epoch * optim.epochs
+    if optim.max_steps is not None:
+        total_steps = min(total_steps, optim.max_steps)
+    scheduler = warmup_cosine(optimizer, total_steps, optim.warmup_ratio)
+    step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+        torch.set_rng_state(state["torch_rng"])
+
+    history, tokens, start = [], 0, time.perf_counter()
+    progress = progress_bar(total_steps, desc, "step", initial=step)
+    for epoch, batch_samples in _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs):
+        batch = pad_batch(batch_samples, device)
+        loss, losses, accs, _ = _batch_loss(draft, batch, lm_head, optim.ttt_steps, optim.loss_decay)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        tokens += int(sum(s["input_ids"].shape[0] for s in batch_samples))
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
+        if step % optim.log_every == 0 or step == total_steps:
+            row = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
+                   "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},
+                   **{f"train/loss_{k}": v for k, v in enumerate(losses)}}
+            history.append({"step": step, **row})
+            if log:
+                log(step, row)
+    progress.close()
+    wall = time.perf_counter() - start
+    final = (evaluate(draft, eval_samples, lm_head, optim.batch_size, optim.ttt_steps, optim.loss_decay, device)
+             if eval_samples else {})
+    if log and final:
+        log(step, final)
+    new_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "torch_rng": torch.get_rng_state()}
+    return TrainResult(step, tokens, wall, final, history), new_state
+
+
+def _remaining(samples, batch_size, seed, done_steps, total_steps, epochs) -> Iterator[tuple[int, list]]:
+    """(epoch, batch) pairs from global step `done_steps` to `total_steps`, in the order a fresh run would see."""
+    step = 0
+    for epoch in range(epochs):
+        for batch in batches(samples, batch_size, seed, epoch):
+            if step >= total_steps:
+                return
+            if step >= done_steps:
+                yield epoch, batch
+            step += 1
+
+
+def load_feature_samples(directory) -> list[dict[str, torch.Tensor]]:
+    """All samples of a hidden-state shard directory, in memory."""
+    return [tensors for _, tensors in iter_samples(directory)]
+
+
+def rope_theta(hf_config) -> float:
+    """transformers 5 keeps it in rope_parameters, 4.x as an attribute."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
+
+
+def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
+                d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
+    """A randomly initialised drafter for a target (its HF config), with the target's embedding and a vocab map."""
+    torch.manual_seed(seed)
+    hidden = target_config.hidden_size
+    cfg = DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=shape.intermediate_size or target_config.intermediate_size,
+        num_attention_heads=shape.num_attention_heads or target_config.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads or shape.num_attention_heads or target_config.num_key_value_heads,
+        vocab_size=embedding.shape[0],
+        draft_vocab_size=d2t.numel(),
+        target_hidden_size=hidden,
+        aux_layers=list(aux_layers),
+        max_position_embeddings=shape.max_position_embeddings or target_config.max_position_embeddings,
+        rope_theta=rope_theta(target_config),
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+    )
+    draft = Eagle3Draft(cfg)
+    draft.embed_tokens.weight.data.copy_(embedding)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft

@@ -1,0 +1,129 @@
+"""Build the embedded default: the tokenizer, the predecessor and successor targets, the predecessor's drafter
+and the datasets, deterministically and offline.
+
+    <zoo.dir>/predecessor/            HF checkpoint (stands in for Kimi-K2)
+    <zoo.dir>/successor/              HF checkpoint, the predecessor trained further on a shifted mix with
+                                      visible reasoning (stands in for Kimi-K2.5)
+    <zoo.dir>/predecessor-drafter/    SpecForge-layout drafter for the predecessor (stands in for the
+                                      published Kimi-K2 drafter), trained by the same loop as the train stage
+    <zoo.data_dir>/conversations.jsonl   drafter-training conversations, ShareGPT form, "raw" public-dataset style
+    <zoo.data_dir>/eval_prompts.jsonl    held-out prompts, OpenAI form, balanced over the task families
+
+Nothing downstream knows these are tiny: they are read as any model directory and any downloaded drafter.
+Everything is built in temporary siblings and renamed into place at the end.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from eagle3ops.config import Config
+from eagle3ops.data.chat import render
+from eagle3ops.data.conversations import normalise
+from eagle3ops.data.prepare import tokenize_dataset
+from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
+from eagle3ops.extraction import extract_features
+from eagle3ops.formats.specforge import save_drafter
+from eagle3ops.fs import write_jsonl_atomic
+from eagle3ops.modeling.target import default_aux_layers, load_embedding_and_head, load_target
+from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
+from eagle3ops.zoo import corpus
+from eagle3ops.zoo.targets import build_llama, save_target, train_lm
+from eagle3ops.zoo.tokenizer import train_tokenizer
+
+# Independent streams, so growing one dataset never changes another.
+PRETRAIN_SEED, DATASET_SEED, EVAL_SEED, DRAFTER_SEED = 101, 202, 303, 404
+# The successor's shifted mix: mostly reasoning-style answers, some predecessor-style replay.
+SUCCESSOR_REPLAY = 0.2
+
+
+def conversations(tasks: list[corpus.Task], style: str, prefix: str) -> list[dict]:
+    return [normalise(corpus.to_conversation(task, style, f"{prefix}-{i:06d}"), prefix) for i, task in enumerate(tasks)]
+
+
+def build_zoo(cfg: Config, run) -> dict[str, float]:
+    zoo, seed = cfg.zoo, cfg.seed
+    models_dir, data_dir = Path(zoo.dir), Path(zoo.data_dir)
+    work = Path(tempfile.mkdtemp(prefix=".zoo-", dir=models_dir.parent if models_dir.parent.exists() else None))
+    try:
+        with run.phase("corpus"):
+            tasks = corpus.make_tasks(zoo.pretrain_conversations, seed + PRETRAIN_SEED)
+            predecessor_chats = conversations(tasks, "predecessor", "pre")
+            successor_tasks = corpus.make_tasks(zoo.pretrain_conversations, seed + PRETRAIN_SEED + 1)
+            replay = int(len(successor_tasks) * SUCCESSOR_REPLAY)
+            successor_chats = (conversations(successor_tasks[replay:], "successor", "suc")
+                               + conversations(successor_tasks[:replay], "predecessor", "rep"))
+            dataset_tasks = corpus.make_tasks(zoo.conversations, seed + DATASET_SEED)
+            eval_tasks = corpus.make_tasks(zoo.eval_prompts_per_family * len(corpus.FAMILIES), seed + EVAL_SEED)
+            drafter_chats = conversations(corpus.make_tasks(zoo.drafter_conversations, seed + DRAFTER_SEED),
+                                          "predecessor", "drf")
+
+        with run.phase("tokenizer"):
+            texts = [m["content"] for chats in (predecessor_chats, successor_chats) for c in chats for m in c["messages"]]
+            texts += [corpus.render_response(t, "raw") for t in dataset_tasks]
+            tokenizer = train_tokenizer(texts, zoo.tokenizer_vocab_size)
+
+        def tokenized(chats, name):
+            return tokenize_dataset(tokenizer, chats, zoo.max_len, name)[0]
+
+        with run.phase("train_predecessor"):
+            predecessor = build_llama(zoo.target, tokenizer, seed)
+            stats = train_lm(predecessor, tokenized(predecessor_chats, "predecessor corpus"), zoo.predecessor_training,
+                             seed, "zoo: predecessor")
+            run.log_metrics({"zoo/predecessor_loss": stats["final_loss"]})
+            save_target(predecessor, tokenizer, work / "predecessor")
+
+        with run.phase("train_successor"):
+            stats = train_lm(predecessor, tokenized(successor_chats, "successor corpus"), zoo.successor_training,
+                             seed + 1, "zoo: successor")  # continues from the predecessor's weights
+            run.log_metrics({"zoo/successor_loss": stats["final_loss"]})
+            save_target(predecessor, tokenizer, work / "successor")
+
+        with run.phase("train_predecessor_drafter"):
+            metrics = _predecessor_drafter(cfg, tokenizer, drafter_chats, work)
+            run.log_metrics(metrics)
+
+        with run.phase("datasets"):
+            write_jsonl_atomic(work / "data" / "conversations.jsonl",
+                               (corpus.to_conversation(t, "raw", f"conv-{i:06d}") for i, t in enumerate(dataset_tasks)))
+            write_jsonl_atomic(work / "data" / "eval_prompts.jsonl",
+                               (corpus.to_prompt_record(t, f"eval-{i:04d}") for i, t in enumerate(eval_tasks)))
+
+        models_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("predecessor", "successor", "predecessor-drafter"):
+            _replace(work / name, models_dir / name)
+        _replace(work / "data", data_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"zoo/vocab_size": len(tokenizer), "zoo/example_length": len(tokenizer(render(tokenizer, predecessor_chats[0]["messages"]))["input_ids"])}
+
+
+def _predecessor_drafter(cfg: Config, tokenizer, chats: list[dict], work: Path) -> dict[str, float]:
+    """The predecessor's drafter, made the way a user makes one: tokenize, capture, train, save."""
+    zoo = cfg.zoo
+    target = load_target(work / "predecessor", "float32", "auto")
+    samples, _ = tokenize_dataset(tokenizer, chats, zoo.max_len, "predecessor drafter data")
+    aux_layers = default_aux_layers(target.config.num_hidden_layers)
+    features_dir = work / "predecessor-features"
+    extract_features(target, samples, aux_layers, features_dir, zoo.drafter_training.batch_size, len(samples),
+                     desc="zoo: capture")
+    d2t, t2d = build_vocab_map(count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples),
+                               len(tokenizer), zoo.draft_vocab_size)
+    embedding, lm_head = load_embedding_and_head(work / "predecessor")
+    draft = new_drafter(target.config, zoo.drafter_training.draft, aux_layers, embedding, d2t, t2d, cfg.seed)
+    result, _ = train_drafter(draft, load_feature_samples(features_dir), [], lm_head, zoo.drafter_training,
+                              cfg.seed, target.device, desc="zoo: predecessor drafter")
+    save_drafter(draft.cpu(), work / "predecessor-drafter")
+    shutil.rmtree(features_dir)
+    last = result.history[-1] if result.history else {}
+    return {"zoo/drafter_loss": last.get("train/loss", float("nan")), "zoo/drafter_acc_0": last.get("train/acc_0", float("nan"))}
+
+
+def _replace(source: Path, destination: Path) -> None:
+    if destination.exists():
+        shutil.rmtree(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(source), str(destination))

@@ -1,0 +1,194 @@
+"""Stage runs against a real sqlite MLflow store in a temporary directory."""
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Run
+
+from eagle3ops.config import Config
+from eagle3ops.tracking import stage_run, tracking_uri
+
+ENV = ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets its own cwd and store; MLflow writes the tracking URI into os.environ, monkeypatch undoes it."""
+    monkeypatch.chdir(tmp_path)
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def client(cfg: Config) -> MlflowClient:
+    return MlflowClient(tracking_uri(cfg))
+
+
+def get_run(cfg: Config, run_id: str) -> Run:
+    return client(cfg).get_run(run_id)
+
+
+def parent_of(cfg: Config, run_id: str) -> Run:
+    return get_run(cfg, get_run(cfg, run_id).data.tags["mlflow.parentRunId"])
+
+
+def test_default_uri_is_sqlite_at_root(tmp_path: Path) -> None:
+    assert tracking_uri(Config()) == f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def test_same_pipeline_shares_one_finished_parent(tmp_path: Path) -> None:
+    cfg = Config()
+    with stage_run(cfg, "prepare") as first:
+        pass
+    with stage_run(cfg, "train", "scratch") as second:
+        pass
+    parent = parent_of(cfg, first.run_id)
+    assert parent_of(cfg, second.run_id).info.run_id == parent.info.run_id
+    assert parent.info.status == "FINISHED"
+    key = parent.data.tags["eagle3ops.pipeline_key"]
+    assert parent.info.run_name == f"pipeline-{key}"
+    assert parent.data.tags["eagle3ops.params_digest"] == get_run(cfg, first.run_id).data.tags["eagle3ops.params_digest"]
+    assert mlflow.active_run() is None
+    assert (tmp_path / "mlflow.db").is_file()
+
+
+def test_other_params_get_another_parent() -> None:
+    with stage_run(Config(seed=0), "prepare") as a:
+        pass
+    with stage_run(Config(seed=1), "prepare") as b:
+        pass
+    cfg = Config()
+    assert parent_of(cfg, a.run_id).info.run_id != parent_of(cfg, b.run_id).info.run_id
+    assert get_run(cfg, a.run_id).data.tags["eagle3ops.params_digest"] != get_run(cfg, b.run_id).data.tags[
+        "eagle3ops.params_digest"
+    ]
+
+
+def test_dvc_experiment_groups_and_names_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DVC_EXP_NAME", "cheery-lamb")
+    with stage_run(Config(seed=0), "extract") as a:
+        pass
+    with stage_run(Config(seed=1), "train", "warm_start") as b:  # the experiment, not the digest, decides
+        pass
+    cfg = Config()
+    parent = parent_of(cfg, a.run_id)
+    assert parent_of(cfg, b.run_id).info.run_id == parent.info.run_id
+    assert parent.info.run_name == "cheery-lamb"
+    assert parent.data.tags["eagle3ops.pipeline_key"] == "cheery-lamb"
+
+
+def test_run_names_and_tags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DVC_STAGE", "train@scratch")
+    (tmp_path / "dvc.lock").write_text(
+        "schema: '2.0'\n"
+        "stages:\n"
+        "  extract:\n"
+        "    cmd: eagle3ops extract\n"
+        "    outs:\n"
+        "    - path: data/features\n"
+        "      hash: md5\n"
+        "      md5: 0123456789abcdef0123456789abcdef.dir\n"
+        "      size: 10\n"
+        "      nfiles: 2\n"
+    )
+    cfg = Config()
+    cfg.seed = 7
+    cfg.target.aux_layers = [2, 4, 5]
+    with stage_run(cfg, "train", "scratch", inputs=["./data/features/", "data/missing"]) as run:
+        pass
+    data = get_run(cfg, run.run_id).data
+    assert get_run(cfg, run.run_id).info.run_name == "train@scratch"
+    assert data.tags["eagle3ops.stage"] == "train"
+    assert data.tags["eagle3ops.variant"] == "scratch"
+    assert data.tags["eagle3ops.dvc_stage"] == "train@scratch"
+    assert data.tags["eagle3ops.git_commit"] == "nogit"  # tmp_path is no git repository
+    assert data.tags["eagle3ops.git_dirty"] == "false"
+    assert len(data.tags["eagle3ops.params_digest"]) == 12
+    assert data.tags["eagle3ops.pipeline_key"] == parent_of(cfg, run.run_id).data.tags["eagle3ops.pipeline_key"]
+    assert data.tags["hardware.label"].startswith("cpu-")
+    assert data.tags["hardware.gpu_count"] == "0"
+    assert data.tags["dvc.input.data/features"] == "0123456789abcdef0123456789abcdef.dir"
+    assert not any(tag.startswith("dvc.input.data/missing") for tag in data.tags)
+    assert data.params["seed"] == "7"
+    assert data.params["target.aux_layers"] == "[2, 4, 5]"
+    assert data.params["threads"] == "None"
+
+
+def test_hardware_label_override() -> None:
+    cfg = Config()
+    cfg.hardware.label = "8xRTXPRO6000"
+    with stage_run(cfg, "prepare") as run:
+        pass
+    assert get_run(cfg, run.run_id).data.tags["hardware.label"] == "8xRTXPRO6000"
+
+
+def test_phases_and_metrics_are_logged() -> None:
+    cfg = Config()
+    with stage_run(cfg, "eval", "baseline") as run:
+        with run.phase("load"):
+            pass
+        run.log_metrics({"acceptance_length": 2.5, "skipped_none": None, "skipped_nan": math.nan}, step=3)
+    assert set(run.timings) == {"load"}
+    metrics = get_run(cfg, run.run_id).data.metrics
+    assert metrics["time/load_s"] == pytest.approx(run.timings["load"])
+    assert metrics["time/stage_wall_s"] >= run.timings["load"]
+    assert metrics["acceptance_length"] == 2.5
+    assert "skipped_none" not in metrics and "skipped_nan" not in metrics
+    assert client(cfg).get_metric_history(run.run_id, "acceptance_length")[0].step == 3
+
+
+def test_exception_marks_run_failed_and_propagates() -> None:
+    cfg = Config()
+    boom = RuntimeError("boom")
+    with pytest.raises(RuntimeError) as raised:
+        with stage_run(cfg, "train", "scratch") as run:
+            with run.phase("train"):
+                raise boom
+    assert raised.value is boom
+    failed = get_run(cfg, run.run_id)
+    assert failed.info.status == "FAILED"
+    assert "time/train_s" in failed.data.metrics and "time/stage_wall_s" in failed.data.metrics
+    assert parent_of(cfg, run.run_id).info.status == "FINISHED"
+    assert mlflow.active_run() is None
+
+
+def test_artifacts_are_logged(tmp_path: Path) -> None:
+    (tmp_path / "report.md").write_text("# report\n")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "tau.csv").write_text("k,tau\n3,2.5\n")
+    cfg = Config()
+    with stage_run(cfg, "report") as run:
+        run.log_artifact(tmp_path / "report.md")
+        run.log_artifact("plots")
+    store = client(cfg)
+    assert {a.path for a in store.list_artifacts(run.run_id)} == {"report.md", "plots"}
+    assert [a.path for a in store.list_artifacts(run.run_id, "plots")] == ["plots/tau.csv"]
+    assert (tmp_path / "mlruns").is_dir()  # artifacts sit beside mlflow.db
+
+
+def test_git_commit_and_dirty_state(tmp_path: Path) -> None:
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                              capture_output=True, text=True)
+        return done.stdout.strip()
+
+    git("init", "-q")
+    Path(".gitignore").write_text("/mlflow.db\n/mlruns/\n")  # as the project ignores its store
+    Path("dvc.lock").write_text("schema: '2.0'\n")
+    git("add", ".gitignore", "dvc.lock")
+    git("commit", "-qm", "init")
+    cfg = Config()
+    Path("dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # what every `dvc repro` stage does
+    with stage_run(cfg, "prepare") as clean:
+        pass
+    Path("train.py").write_text("")
+    with stage_run(cfg, "train") as dirty:
+        pass
+    tags = get_run(cfg, clean.run_id).data.tags
+    assert tags["eagle3ops.git_commit"] == git("rev-parse", "HEAD")
+    assert tags["eagle3ops.git_dirty"] == "false"
+    assert get_run(cfg, dirty.run_id).data.tags["eagle3ops.git_dirty"] == "true"
