@@ -144,10 +144,15 @@ def _parent_run_id(client: MlflowClient, experiment_id: str, key: str, name: str
 class StageRun:
     """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts."""
 
-    def __init__(self, client: MlflowClient, run_id: str) -> None:
+    def __init__(self, client: MlflowClient, run_id: str, started: float) -> None:
         self._client = client
+        self._started = started
         self.run_id = run_id
         self.timings: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        """Seconds since the stage run began (perf_counter clock)."""
+        return time.perf_counter() - self._started
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -219,7 +224,7 @@ def stage_run(
     status = "FAILED"
     try:
         mlflow.log_params(_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))))
-        yield StageRun(client, active.info.run_id)
+        yield StageRun(client, active.info.run_id, start)
         status = "FINISHED"
     finally:
         try:

@@ -133,7 +133,7 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         step += 1
         tokens += int(sum(s["input_ids"].shape[0] for s in batch_samples))
         progress.update(1)
-        progress.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
+        progress.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}", refresh=False)
         if step % optim.log_every == 0 or step == total_steps:
             row = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
                    "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},

@@ -12,6 +12,7 @@ target forward) replace the draft's speculative cache entries.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -59,19 +60,36 @@ def _stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int
     return tokens[:max_new_tokens]
 
 
+def _cache_kwarg(target: PreTrainedModel) -> str:
+    """transformers 5 renamed the forward's `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def _forward(target: PreTrainedModel, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
+    """Cached forward of new tokens [1, n] -> logits [n, V]."""
+    ids = torch.tensor([token_ids], device=target.device)
+    return target(input_ids=ids, use_cache=True, **{_cache_kwarg(target): cache}).logits[0]
+
+
+def _truncate(cache: DynamicCache, length: int) -> None:
+    """Drop cached positions from `length` on (a negative crop means the same in transformers 4 and 5)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 @torch.no_grad()
 def target_greedy(target: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The target's own greedy continuation, one cached token at a time: the reference for losslessness."""
-    device = target.device
     cache = DynamicCache()
-    logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
+    logits = _forward(target, prompt_ids, cache)
     out: list[int] = []
     while True:
-        token = int(logits[0, -1].argmax())
+        token = int(logits[-1].argmax())
         out.append(token)
         if token in eos_ids or len(out) >= max_new_tokens:
             return out
-        logits = target(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True).logits
+        logits = _forward(target, [token], cache)
 
 
 @torch.no_grad()
@@ -82,8 +100,7 @@ def speculative_greedy(target: PreTrainedModel, draft: Eagle3Draft, prompt_ids: 
     stats = AcceptanceStats(k)
     cache, draft_cache = DynamicCache(), KVCache()
     with capture(target, draft.cfg.aux_layers) as hooks:
-        logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
-        last = int(logits[0, -1].argmax())
+        last = int(_forward(target, prompt_ids, cache)[-1].argmax())
         out = [last]
         # Pending draft positions: features of the tokens the target has processed, paired with the next token.
         pending_ids = prompt_ids[1:] + [last]
@@ -107,14 +124,13 @@ def speculative_greedy(target: PreTrainedModel, draft: Eagle3Draft, prompt_ids: 
             draft_cache.crop(committed)
 
             processed = cache.get_seq_length()
-            verify = target(input_ids=torch.tensor([[last, *drafts]], device=device), past_key_values=cache,
-                            use_cache=True).logits[0].argmax(-1).tolist()
+            verify = _forward(target, [last, *drafts], cache).argmax(-1).tolist()
             accepted = 0
             while accepted < k and drafts[accepted] == verify[accepted]:
                 accepted += 1
             stats.record(accepted)
             new_tokens = drafts[:accepted] + [verify[accepted]]
-            cache.crop(processed + accepted + 1)
+            _truncate(cache, processed + accepted + 1)
             pending_features = draft.fuse(hooks.aux()[:, : accepted + 1].to(draft.fc.weight.dtype))
             pending_ids = new_tokens
             first_pos = processed

@@ -48,7 +48,7 @@ def train_lm(model: LlamaForCausalLM, samples: list[dict], train: LMTrainConfig,
                 scheduler.step()
                 step, loss = step + 1, out.loss.item()
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}")
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             epoch += 1
     model.eval()
     return {"steps": step, "final_loss": loss, "wall_s": time.perf_counter() - start}
