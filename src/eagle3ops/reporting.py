@@ -25,7 +25,8 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
         rows.append({"drafter": drafter, "tau": m["tau"],
                      **{f"a{i}": m[f"accept_{i}"] for i in range(1, m["k"] + 1)},
                      "lossless": "yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)",
-                     "ttt acc_0 (held-out)": train.get("eval_acc_0", float("nan")),
+                     "vocab coverage": m.get("draft_vocab_coverage"),
+                     "ttt acc_0 (held-out)": train.get("eval_acc_0"),
                      **{f"tau {name}": tau for name, tau in m["tau_by_set"].items()}})
     return pd.DataFrame(rows)
 
@@ -72,11 +73,20 @@ def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], pat
     plt.close(fig)
 
 
+def _table(frame: pd.DataFrame, floatfmt: str) -> str:
+    if frame.empty:
+        return "(no results yet)"
+    return frame.to_markdown(index=False, floatfmt=floatfmt, missingval="-")
+
+
 def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
     lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
-             acceptance.to_markdown(index=False, floatfmt=".3f") if len(acceptance) else "(no eval results)", "",
-             "## Stage timings", "", timings.to_markdown(index=False, floatfmt=".1f") if len(timings) else "", "",
+             _table(acceptance, ".3f"), "",
+             "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); a_i = share "
+             "of steps whose i-th draft was accepted; vocab coverage = share of the target's tokens inside the "
+             "drafter's vocabulary (a warm start keeps its own).", "",
+             "## Stage timings", "", _table(timings, ".1f"), "",
              f"MLflow runs: `mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000", ""]
     return "\n".join(lines)

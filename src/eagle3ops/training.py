@@ -65,19 +65,20 @@ def _batch_loss(draft, batch, lm_head, ttt_steps, decay):
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, samples: list, lm_head: torch.Tensor, batch_size: int, ttt_steps: int,
              decay: float, device: torch.device) -> dict[str, float]:
-    """Held-out TTT loss and per-step accuracy, weighted by counted positions."""
+    """Held-out TTT loss and per-step accuracy (weighted by counted positions), and draft-vocab coverage."""
     draft.eval()
-    weighted_loss, correct, counted = 0.0, [0.0] * ttt_steps, [0] * ttt_steps
+    loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
     for start in range(0, len(samples), batch_size):
-        batch = pad_batch(samples[start : start + batch_size], device)
-        _, losses, accs, counts = _batch_loss(draft, batch, lm_head, ttt_steps, decay)
+        result = _batch_loss(draft, pad_batch(samples[start : start + batch_size], device), lm_head, ttt_steps, decay)
         for k in range(ttt_steps):
-            correct[k] += accs[k] * counts[k]
-            counted[k] += counts[k]
-        weighted_loss += sum(decay**k * losses[k] * counts[k] for k in range(ttt_steps)) / max(1, counts[0])
+            correct[k] += result.accs[k] * result.counted[k]
+            counted[k] += result.counted[k]
+            masked[k] += result.masked[k]
+        loss_sum += result.loss.item() * len(samples[start : start + batch_size])
     draft.train()
     metrics = {f"eval/acc_{k}": correct[k] / max(1, counted[k]) for k in range(ttt_steps)}
-    metrics["eval/loss"] = weighted_loss / max(1, math.ceil(len(samples) / batch_size))
+    metrics["eval/loss"] = loss_sum / max(1, len(samples))
+    metrics["eval/draft_vocab_coverage"] = counted[0] / max(1, masked[0])
     return metrics
 
 
@@ -124,7 +125,8 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     progress = progress_bar(total_steps, desc, "step", initial=step)
     for epoch, batch_samples in _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs):
         batch = pad_batch(batch_samples, device)
-        loss, losses, accs, _ = _batch_loss(draft, batch, lm_head, optim.ttt_steps, optim.loss_decay)
+        result = _batch_loss(draft, batch, lm_head, optim.ttt_steps, optim.loss_decay)
+        loss, accs = result.loss, result.accs
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
@@ -137,7 +139,7 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         if step % optim.log_every == 0 or step == total_steps:
             row = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
                    "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},
-                   **{f"train/loss_{k}": v for k, v in enumerate(losses)}}
+                   **{f"train/loss_{k}": v for k, v in enumerate(result.losses)}}
             history.append({"step": step, **row})
             if log:
                 log(step, row)

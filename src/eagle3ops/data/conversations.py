@@ -5,6 +5,7 @@ system/user/assistant. A bad line is an error naming the file and the line numbe
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,8 +38,14 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             yield lineno, record
 
 
+def content_id(messages: list[dict]) -> str:
+    """An id for records that have none: a hash of the conversation, stable wherever the file lives."""
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def normalise(record: dict, where: str) -> dict:
-    """One record -> {"id", "messages"}; `where` ("file:line") prefixes every error."""
+    """One record -> {"id", "messages"}; `where` ("file:line") prefixes every error. A record without an
+    "id" gets `content_id` of its messages."""
     if "messages" in record:
         raw_turns, role_key, content_key, role_map = record["messages"], "role", "content", {r: r for r in ROLES}
     elif "conversations" in record:
@@ -57,7 +64,7 @@ def normalise(record: dict, where: str) -> dict:
         if not isinstance(turn[content_key], str):
             raise DatasetError(f"{where}: turn {index} content is not a string")
         messages.append({"role": role, "content": turn[content_key]})
-    record_id = record.get("id", where)
+    record_id = record["id"] if "id" in record else content_id(messages)
     return {"id": str(record_id), "messages": messages}
 
 
@@ -66,6 +73,11 @@ def load_conversations(path: str | Path) -> list[dict]:
     records, seen = [], {}
     for lineno, raw in read_jsonl(path):
         record = normalise(raw, f"{path}:{lineno}")
+        if "id" not in raw:  # repeated identical conversations (common in public sets) get numbered
+            base, n = record["id"], 1
+            while record["id"] in seen:
+                n += 1
+                record["id"] = f"{base}-{n}"
         if record["id"] in seen:
             raise DatasetError(f"{path}:{lineno}: duplicate id {record['id']!r} (first on line {seen[record['id']]})")
         seen[record["id"]] = lineno

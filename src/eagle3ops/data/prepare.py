@@ -45,17 +45,23 @@ def tokenize_dataset(tokenizer, conversations: list[dict], max_len: int, source:
     return samples, stats
 
 
+def _bucket(sample_id: str) -> float:
+    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2**64
+
+
 def in_eval_split(sample_id: str, eval_fraction: float) -> bool:
     """Stable across runs, machines and dataset order: decided by a hash of the id alone."""
-    bucket = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2**64
-    return bucket < eval_fraction
+    return _bucket(sample_id) < eval_fraction
 
 
 def split(samples: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
     train = [s for s in samples if not in_eval_split(s["id"], eval_fraction)]
     held_out = [s for s in samples if in_eval_split(s["id"], eval_fraction)]
     if eval_fraction > 0 and not held_out and len(train) > 1:
-        held_out = [train.pop()]  # tiny datasets: keep at least one held-out sample
+        # Tiny datasets still get one held-out sample: the lowest hash, so dataset order does not matter.
+        lowest = min(train, key=lambda s: _bucket(s["id"]))
+        train.remove(lowest)
+        held_out = [lowest]
     return train, held_out
 
 

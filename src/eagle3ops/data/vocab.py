@@ -29,8 +29,9 @@ def build_vocab_map(counts: Counter, target_vocab_size: int, draft_vocab_size: i
     """
     if draft_vocab_size > target_vocab_size:
         raise InputError(f"data.draft_vocab_size {draft_vocab_size} exceeds the target vocabulary ({target_vocab_size})")
-    if any(not 0 <= token < target_vocab_size for token in counts):
-        raise InputError(f"token ids outside the target vocabulary (size {target_vocab_size})")
+    outside = sorted(token for token in counts if not 0 <= token < target_vocab_size)
+    if outside:
+        raise InputError(f"token ids {outside[:10]} are outside the target vocabulary (size {target_vocab_size})")
     ranked = sorted(counts, key=lambda token: (-counts[token], token))[:draft_vocab_size]
     chosen = set(ranked)
     filler = (token for token in range(target_vocab_size) if token not in chosen)

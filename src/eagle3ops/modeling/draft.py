@@ -214,34 +214,46 @@ def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor
     return logits[..., t2d].softmax(-1), in_draft
 
 
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # sum_k decay^k * loss_k, to backpropagate
+    losses: list[float]  # loss_k
+    accs: list[float]  # acc_k over counted positions (target argmax in the draft vocabulary)
+    counted: list[int]  # positions counted at step k
+    masked: list[int]  # loss-masked positions at step k, counted or not: counted/masked is the vocab coverage
+
+
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
-             ttt_steps: int = 7, decay: float = 0.8) -> tuple[torch.Tensor, list[float], list[float], list[int]]:
+             ttt_steps: int = 7, decay: float = 0.8) -> TTTResult:
     """Training-time test: K draft steps, each feeding its own output hidden state to the next.
 
     input_ids, loss_mask [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]; loss_mask marks the
     tokens the drafter must predict. Step k at position t sees emb(x_{t+k+1}), predicts x_{t+k+2} against the
     target's distribution at t+k+1, and counts where loss_mask[t+k+2] is 1 and the target's argmax is in
-    the draft vocabulary. Returns (sum_k decay^k * loss_k, loss_k, acc_k, counted positions per step).
+    the draft vocabulary (a token outside it can never be drafted; acc_k leaves it out, as SpecForge does,
+    so acc_k * coverage is the share of all masked tokens the drafter gets right).
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     target_p, in_draft = target_distribution(final_hidden, lm_head_weight, draft.t2d)
     next_ids = shift_left(input_ids)  # x_{t+1} at t
     target_p = shift_left(target_p)  # distribution of x_{t+2} at t
-    counted = shift_left(in_draft) & shift_left(loss_mask, 2).bool()  # [B, T]
+    masked = shift_left(loss_mask, 2).bool()  # x_{t+2} is an assistant token
+    counted = shift_left(in_draft) & masked  # [B, T]
     hidden = draft.fuse(aux_hidden)
     ttt_cache: list = []
-    total = hidden.new_zeros((), dtype=torch.float32)
-    losses, accs, counts = [], [], []
+    result = TTTResult(hidden.new_zeros((), dtype=torch.float32), [], [], [], [])
     for k in range(ttt_steps):
         hidden, logits = draft.step(next_ids, hidden, positions, ttt_cache=ttt_cache)
         logp = logits.float().log_softmax(-1)  # [B, T, Vd]
         n = counted.sum()
         loss_k = -((target_p * logp).sum(-1) * counted).sum() / n.clamp(min=1)
         correct = ((logits.argmax(-1) == target_p.argmax(-1)) & counted).sum()
-        total = total + decay**k * loss_k
-        losses.append(loss_k.item())
-        accs.append((correct / n.clamp(min=1)).item())
-        counts.append(int(n))
-        next_ids, target_p, counted = shift_left(next_ids), shift_left(target_p), shift_left(counted)
-    return total, losses, accs, counts
+        result.loss = result.loss + decay**k * loss_k
+        result.losses.append(loss_k.item())
+        result.accs.append((correct / n.clamp(min=1)).item())
+        result.counted.append(int(n))
+        result.masked.append(int(masked.sum()))
+        next_ids, target_p = shift_left(next_ids), shift_left(target_p)
+        counted, masked = shift_left(counted), shift_left(masked)
+    return result

@@ -3,6 +3,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from eagle3ops.config import Config
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.data.conversations import DatasetError, normalise, read_jsonl
@@ -42,7 +44,7 @@ def run(cfg: Config, drafter: str) -> None:
             prompts = load_prompts(cfg.data.eval_prompts, cfg.eval.max_prompts)
         eos = {tokenizer.eos_token_id}
         overall, per_set = AcceptanceStats(cfg.eval.k), defaultdict(lambda: AcceptanceStats(cfg.eval.k))
-        mismatched, spec_s, plain_s, spec_tokens, plain_tokens = [], 0.0, 0.0, 0, 0
+        mismatched, spec_s, plain_s, spec_tokens, plain_tokens, in_vocab = [], 0.0, 0.0, 0, 0, 0
         with tracked.phase("decode"), progress(len(prompts), f"eval@{drafter}", "prompt") as bar:
             for prompt in prompts:
                 ids = prompt_ids(tokenizer, prompt["messages"])
@@ -53,6 +55,7 @@ def run(cfg: Config, drafter: str) -> None:
                 reference = target_greedy(target, ids, cfg.eval.max_new_tokens, eos)
                 plain_s += time.perf_counter() - start
                 spec_tokens, plain_tokens = spec_tokens + len(tokens), plain_tokens + len(reference)
+                in_vocab += int(draft.t2d[torch.tensor(reference)].sum())
                 if tokens != reference:
                     mismatched.append(prompt["id"])
                 overall.merge(stats)
@@ -63,6 +66,7 @@ def run(cfg: Config, drafter: str) -> None:
             **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
             "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
             "lossless": not mismatched, "mismatched_prompts": len(mismatched), "mismatched_ids": mismatched[:20],
+            "draft_vocab_coverage": round(in_vocab / max(1, plain_tokens), 4),  # target tokens it can draft at all
             "tau_by_set": {name: round(s.tau, 4) for name, s in sorted(per_set.items())},
             "spec_tokens_per_s": round(spec_tokens / spec_s, 1), "target_tokens_per_s": round(plain_tokens / plain_s, 1),
         })

@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny BPE tokenizer with the Kimi-style chat template and a tiny random Llama target."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# A few dozen short strings: enough for BPE to learn some merges, small enough to train in well under a second.
+TEXTS = [
+    f"{subject} {verb} the {thing} number {i}. Hello world, how are you today? The answer is {i * 7}."
+    for i, (subject, verb, thing) in enumerate(
+        (s, v, t)
+        for s in ("The fox", "A user", "The assistant")
+        for v in ("jumps over", "thinks about", "writes")
+        for t in ("lazy dog", "question", "code")
+    )
+] + [
+    "<think>Let me think step by step.</think> The result is 42.",
+    "def add(a, b):\n    return a + b\n",
+    "You are a helpful assistant. Answer briefly.",
+    "system user assistant",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from eagle3ops.zoo.tokenizer import train_tokenizer
+
+    return train_tokenizer(TEXTS, vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> Path:
+    """A random 4-layer Llama (hidden 32, 2 heads) with the tiny tokenizer, saved as a Hugging Face directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path

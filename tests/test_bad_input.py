@@ -1,0 +1,228 @@
+"""Bad input through the real CLI: a non-zero exit, one clear line naming the file / line / key, and no output.
+
+Each test runs `eagle3ops <stage>` in-process in its own directory, with its own sqlite MLflow store.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from eagle3ops.cli import main
+from eagle3ops.formats.specforge import CheckpointError, load_into, save_drafter
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+
+ENV = ("DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
+CONVERSATIONS = "data/generated/conversations.jsonl"
+
+
+@pytest.fixture(scope="session")
+def empty_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An initialised (migrated) sqlite store, copied per test: creating one costs about a second."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, empty_mlflow_db: Path) -> Path:
+    monkeypatch.chdir(tmp_path)
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    return tmp_path
+
+
+def write_params(workdir: Path, params: dict | str) -> Path:
+    path = workdir / "params.yaml"
+    path.write_text(params if isinstance(params, str) else yaml.safe_dump(params))
+    return path
+
+
+def write_jsonl(path: Path, lines: list[dict | str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def conversation(i: int, user: str = "Hello world, how are you?", assistant: str = "The fox jumps.") -> dict:
+    return {"id": f"c{i}", "messages": [{"role": "user", "content": f"{user} {i}"},
+                                        {"role": "assistant", "content": f"{assistant} {i}"}]}
+
+
+def run_cli(stage: str, params: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main([stage, "--params", str(params)])
+    return rc, capsys.readouterr().err
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Temporary siblings a crashed write could leave behind."""
+    return [str(p) for p in directory.rglob("*") if p.name.endswith((".partial", ".tmp"))]
+
+
+# ----------------------------------------------------------------------------------------------------------- params
+
+def test_unknown_params_key(workdir, capsys):
+    params = write_params(workdir, "train:\n  lrr: 1\n")
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 2
+    assert "train.lrr" in err
+    assert str(params) in err
+    assert err.startswith("eagle3ops: ")
+    assert "Traceback" not in err
+    assert not (workdir / "data").exists() and not (workdir / "metrics").exists()
+
+
+def test_wrong_type_params_value(workdir, capsys):
+    params = write_params(workdir, {"train": {"lr": "fast"}})
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 2
+    assert "train.lr" in err and "fast" in err
+    assert str(params) in err
+    assert not (workdir / "data").exists()
+
+
+def test_missing_params_file(workdir, capsys):
+    rc, err = run_cli("prepare", workdir / "nope.yaml", capsys)
+    assert rc == 2
+    assert f"{workdir / 'nope.yaml'}: params file not found" in err
+
+
+# ---------------------------------------------------------------------------------------------------------- prepare
+
+def test_prepare_malformed_jsonl_line(workdir, capsys, tiny_target_dir):
+    write_jsonl(workdir / CONVERSATIONS, [conversation(1), conversation(2), '{"id": "c3", "messages": [{"role"',
+                                          conversation(4)])
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir)}})
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 1
+    assert f"{CONVERSATIONS}:3:" in err
+    assert "Traceback" not in err
+    assert not (workdir / "data" / "prepared").exists()
+    assert not (workdir / "metrics" / "prepare.json").exists()
+    assert leftovers(workdir) == []
+
+
+def test_prepare_everything_filtered_out(workdir, capsys, tiny_target_dir):
+    long_prompt = "The fox jumps over the lazy dog. " * 10
+    write_jsonl(workdir / CONVERSATIONS, [conversation(i, user=long_prompt) for i in range(4)])
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir)}, "data": {"max_len": 16}})
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 1
+    assert "max_len=16" in err
+    assert CONVERSATIONS in err
+    assert not (workdir / "data" / "prepared").exists()
+    assert leftovers(workdir) == []
+
+
+# ------------------------------------------------------------------------------------------------- missing target
+
+@pytest.mark.parametrize("stage, output", [("extract", "data/features"), ("generate", CONVERSATIONS)])
+def test_missing_target_directory(workdir, capsys, stage, output):
+    missing = workdir / "models" / "no-such-target"
+    write_jsonl(workdir / "data" / "zoo" / "conversations.jsonl", [conversation(1)])
+    params = write_params(workdir, {"target": {"path": str(missing)}, "data": {"conversations": "data/zoo/conversations.jsonl"}})
+    rc, err = run_cli(stage, params, capsys)
+    assert rc == 1
+    assert f"eagle3ops {stage}: error: {missing}" in err
+    assert "target.path" in err
+    assert not (workdir / output).exists()
+    assert leftovers(workdir) == []
+
+
+# ------------------------------------------------------------------------------------------------------- aux layers
+
+def test_extract_aux_layers_out_of_range(workdir, capsys, tiny_target_dir):
+    write_jsonl(workdir / CONVERSATIONS, [conversation(i) for i in range(6)])
+    good = write_params(workdir, {"target": {"path": str(tiny_target_dir)}, "data": {"draft_vocab_size": 32}})
+    rc, err = run_cli("prepare", good, capsys)
+    assert rc == 0, err
+    assert (workdir / "data" / "prepared" / "train" / "manifest.json").is_file()
+
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir), "aux_layers": [2, 2, 99]},
+                                    "data": {"draft_vocab_size": 32}})
+    rc, err = run_cli("extract", params, capsys)
+    assert rc == 1
+    assert "target.aux_layers" in err
+    assert "99" in err
+    assert "4 decoder layers" in err and "0..3" in err  # the valid range for the 4-layer tiny target
+    assert not (workdir / "data" / "features").exists()
+    assert leftovers(workdir) == []
+
+
+def test_aux_layers_wrong_count_rejected_before_work(workdir, capsys, tiny_target_dir):
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir), "aux_layers": [1, 2]}})
+    rc, err = run_cli("extract", params, capsys)
+    assert rc == 2
+    assert "target.aux_layers" in err and "three" in err
+    assert not (workdir / "data").exists()
+
+
+# ------------------------------------------------------------------------------------------------------- warm start
+
+def draft(intermediate: int = 64, draft_vocab: int = 16, seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=32, intermediate_size=intermediate, num_attention_heads=2, num_key_value_heads=2,
+                      vocab_size=302, draft_vocab_size=draft_vocab, target_hidden_size=32, aux_layers=[1, 2, 3])
+    return Eagle3Draft(cfg)
+
+
+def test_warm_start_shape_mismatch_names_keys_and_shapes(tmp_path):
+    save_drafter(draft(intermediate=64, draft_vocab=16), tmp_path / "ckpt")
+    other = draft(intermediate=96, draft_vocab=24, seed=1)
+    before = {name: t.clone() for name, t in other.state_dict().items()}
+    with pytest.raises(CheckpointError) as err:
+        load_into(other, tmp_path / "ckpt")
+    message = str(err.value)
+    assert str(tmp_path / "ckpt") in message
+    assert "midlayer.mlp.gate_proj.weight: checkpoint (64, 32) vs drafter (96, 32)" in message
+    assert "midlayer.mlp.up_proj.weight: checkpoint (64, 32) vs drafter (96, 32)" in message
+    assert "midlayer.mlp.down_proj.weight: checkpoint (32, 64) vs drafter (32, 96)" in message
+    assert "lm_head.weight: checkpoint (16, 32) vs drafter (24, 32)" in message
+    assert "d2t: checkpoint (16,) vs drafter (24,)" in message
+    assert "fc.weight" not in message  # same shape: not reported
+    # Nothing was loaded into the drafter.
+    for name, tensor in other.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_warm_start_missing_and_extra_keys(tmp_path):
+    save_drafter(draft(), tmp_path / "ckpt")
+    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    del weights["norm.weight"]
+    weights["midlayer.extra.weight"] = torch.zeros(2)
+    save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        load_into(draft(seed=1), tmp_path / "ckpt")
+    assert "norm.weight: missing from the checkpoint" in str(err.value)
+    assert "midlayer.extra.weight: not a drafter parameter" in str(err.value)
+
+
+def test_warm_start_same_shape_loads_weights_and_vocab_map(tmp_path):
+    source = draft(seed=0)
+    source.d2t.copy_(torch.arange(16) * 3)
+    source.t2d[torch.arange(16) * 4] = True
+    save_drafter(source, tmp_path / "ckpt")
+    target = draft(seed=1)
+    embedding = target.embed_tokens.weight.clone()
+    load_into(target, tmp_path / "ckpt")
+    for name, tensor in source.state_dict().items():
+        if name.startswith("embed_tokens."):
+            continue
+        assert torch.equal(target.state_dict()[name], tensor), name
+    assert torch.equal(target.embed_tokens.weight, embedding)  # the embedding is the target's, never loaded
+
+
+def test_warm_start_directory_without_weights(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_into(draft(), tmp_path / "ckpt")

@@ -1,0 +1,267 @@
+"""Conversation datasets, safetensors shards with their manifest, and the tokenize/split step of `prepare`."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3ops.data.conversations import content_id, DatasetError, load_conversations
+from eagle3ops.data.prepare import in_eval_split, read_tokenized, split, tokenize_dataset, write_tokenized
+from eagle3ops.data.shards import MANIFEST, ShardWriter, iter_samples, read_manifest
+from eagle3ops.errors import InputError
+
+
+def write_lines(path: Path, lines: list[str | dict]) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def openai(record_id: str, *turns: tuple[str, str]) -> dict:
+    return {"id": record_id, "messages": [{"role": r, "content": c} for r, c in turns]}
+
+
+# --------------------------------------------------------------------------------------------------- conversations
+
+def test_sharegpt_and_openai_normalise_to_same_messages(tmp_path):
+    sharegpt = {"id": "c1", "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello."},
+        {"from": "user", "value": "Bye"},
+        {"from": "assistant", "value": "Bye."},
+    ]}
+    oai = openai("c1", ("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Bye"),
+                 ("assistant", "Bye."))
+    a = load_conversations(write_lines(tmp_path / "sharegpt.jsonl", [sharegpt]))
+    b = load_conversations(write_lines(tmp_path / "openai.jsonl", [oai]))
+    assert a == b == [{"id": "c1", "messages": oai["messages"]}]
+
+
+def test_ids_are_strings_and_blank_lines_skipped(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [
+        {"id": 7, "messages": [{"role": "user", "content": "x"}]},
+        "",
+        "   ",
+        {"messages": [{"role": "user", "content": "y"}]},
+        {"messages": [{"role": "user", "content": "y"}]},
+    ])
+    records = load_conversations(path)
+    # No id: a hash of the conversation stands in (wherever the file lives); repeats are numbered.
+    unnamed = content_id([{"role": "user", "content": "y"}])
+    assert [r["id"] for r in records] == ["7", unnamed, f"{unnamed}-2"]
+
+
+def test_malformed_json_names_file_and_exact_line(tmp_path):
+    good = openai("a", ("user", "u"), ("assistant", "a"))
+    path = write_lines(tmp_path / "bad.jsonl", [good, "", '{"id": "b", "messages": [', openai("c", ("user", "u"))])
+    with pytest.raises(DatasetError) as err:
+        load_conversations(path)
+    assert f"{path}:3:" in str(err.value)
+    assert "not valid JSON" in str(err.value)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"id": "x", "messages": [{"role": "user"}]}, "turn 0 needs 'role' and 'content'"),
+    ({"id": "x", "messages": [{"role": "user", "content": "u"}, {"content": "a"}]}, "turn 1 needs 'role' and 'content'"),
+    ({"id": "x", "conversations": [{"from": "human"}]}, "turn 0 needs 'from' and 'value'"),
+    ({"id": "x", "conversations": [{"from": "bot", "value": "hi"}]}, "turn 0 has unknown role 'bot'"),
+    ({"id": "x", "messages": [{"role": "tool", "content": "hi"}]}, "turn 0 has unknown role 'tool'"),
+    ({"id": "x", "messages": "hello"}, "empty or not a list"),
+    ({"id": "x", "messages": []}, "empty or not a list"),
+    ({"id": "x", "messages": [{"role": "user", "content": None}]}, "turn 0 content is not a string"),
+    ({"id": "x", "text": "hello"}, "needs 'messages'"),
+    ([1, 2], "expected a JSON object, got list"),
+])
+def test_bad_record_names_file_and_line(tmp_path, record, message):
+    path = write_lines(tmp_path / "d.jsonl", [openai("ok", ("user", "u"), ("assistant", "a")), record])
+    with pytest.raises(DatasetError) as err:
+        load_conversations(path)
+    assert str(err.value).startswith(f"{path}:2: ")
+    assert message in str(err.value)
+
+
+def test_duplicate_id_names_both_lines(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [
+        openai("a", ("user", "u")), openai("dup", ("user", "u")), openai("b", ("user", "u")), openai("dup", ("user", "v")),
+    ])
+    with pytest.raises(DatasetError) as err:
+        load_conversations(path)
+    assert str(err.value) == f"{path}:4: duplicate id 'dup' (first on line 2)"
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match="no records") as err:
+        load_conversations(path)
+    assert str(path) in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(DatasetError, match="file not found") as err:
+        load_conversations(path)
+    assert str(path) in str(err.value)
+    assert issubclass(DatasetError, InputError)
+
+
+# ---------------------------------------------------------------------------------------------------------- shards
+
+LENGTHS = [3, 1, 4, 2, 5]
+
+
+def ragged_samples() -> list[tuple[str, dict[str, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (f"s{i}", {"input_ids": torch.arange(100 * i, 100 * i + n, dtype=torch.int32),
+                   "hidden": torch.randn(n, 3, generator=generator),
+                   "loss_mask": (torch.arange(n) % 2).to(torch.uint8)})
+        for i, n in enumerate(LENGTHS)
+    ]
+
+
+def write_shards(out_dir: Path) -> dict:
+    writer = ShardWriter(out_dir, samples_per_shard=2, meta={"split": "train"})
+    for sample_id, tensors in ragged_samples():
+        writer.add(sample_id, tensors)
+    return writer.close()
+
+
+def test_shard_round_trip_and_manifest(tmp_path):
+    out = tmp_path / "features" / "train"
+    manifest = write_shards(out)
+    assert manifest == read_manifest(out)
+    assert manifest["split"] == "train"
+    assert manifest["samples"] == 5 and manifest["tokens"] == sum(LENGTHS)
+    assert [s["file"] for s in manifest["shards"]] == [f"shard-{i:05d}.safetensors" for i in range(3)]
+    assert [s["samples"] for s in manifest["shards"]] == [2, 2, 1]
+    assert [s["tokens"] for s in manifest["shards"]] == [3 + 1, 4 + 2, 5]
+    for shard in manifest["shards"]:
+        assert shard["sha256"] == hashlib.sha256((out / shard["file"]).read_bytes()).hexdigest()
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, *(s["file"] for s in manifest["shards"])])
+
+    got = list(iter_samples(out))
+    want = ragged_samples()
+    assert [sample_id for sample_id, _ in got] == [sample_id for sample_id, _ in want]
+    for (_, tensors), (_, expected) in zip(got, want):
+        assert set(tensors) == set(expected)  # `offsets` is internal
+        for name, tensor in expected.items():
+            assert tensors[name].dtype == tensor.dtype
+            assert torch.equal(tensors[name], tensor), name
+    # Nothing half-written left beside the output.
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".partial")]
+
+
+def test_corrupted_shard_is_detected(tmp_path):
+    out = tmp_path / "train"
+    write_shards(out)
+    shard = out / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # a byte of tensor data, not the header: the file still parses
+    shard.write_bytes(bytes(data))
+    samples = iter_samples(out)
+    assert [next(samples)[0], next(samples)[0]] == ["s0", "s1"]  # shard 0 is intact
+    with pytest.raises(InputError, match="sha256") as err:
+        next(samples)
+    assert "shard-00001.safetensors" in str(err.value)
+    # Without verification the (silently wrong) data is read: the check is what catches it.
+    assert len(list(iter_samples(out, verify=False))) == 5
+
+
+def test_aborted_writer_leaves_nothing(tmp_path):
+    out = tmp_path / "train"
+    writer = ShardWriter(out, samples_per_shard=2)
+    for sample_id, tensors in ragged_samples()[:3]:  # one shard flushed, one sample pending
+        writer.add(sample_id, tensors)
+    writer.abort()
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_replaces_previous_output(tmp_path):
+    out = tmp_path / "train"
+    out.mkdir()
+    (out / "stale.safetensors").write_text("old")
+    write_shards(out)
+    assert not (out / "stale.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["train"]
+
+
+def test_not_a_shard_directory(tmp_path):
+    with pytest.raises(InputError, match="no manifest"):
+        list(iter_samples(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------- tokenize and split
+
+def test_tokenize_dataset_counts_truncation_and_drops(tiny_tokenizer):
+    short = openai("short", ("user", "Hi"), ("assistant", "Hello."))
+    long_answer = openai("long_answer", ("user", "Hi"), ("assistant", "The fox jumps over the lazy dog. " * 20))
+    long_prompt = openai("long_prompt", ("user", "The fox jumps over the lazy dog. " * 20), ("assistant", "Ok."))
+    max_len = 40
+    samples, stats = tokenize_dataset(tiny_tokenizer, [short, long_answer, long_prompt], max_len, "src.jsonl")
+    assert [s["id"] for s in samples] == ["short", "long_answer"]
+    assert stats.conversations == 3 and stats.kept == 2
+    assert stats.truncated == 2  # long_answer kept but cut; long_prompt cut and dropped
+    assert stats.dropped_no_assistant == 1 and stats.dropped_ids == ["long_prompt"]
+    assert len(samples[1]["input_ids"]) == max_len == len(samples[1]["loss_mask"])
+    assert stats.tokens == sum(len(s["input_ids"]) for s in samples)
+    assert stats.loss_tokens == sum(sum(s["loss_mask"]) for s in samples)
+    # The short sample's loss tokens: "Hello." and <|im_end|>.
+    masked = [i for i, m in zip(samples[0]["input_ids"], samples[0]["loss_mask"]) if m]
+    assert tiny_tokenizer.decode(masked) == "Hello.<|im_end|>"
+
+
+def test_tokenize_dataset_all_dropped(tiny_tokenizer):
+    long_prompt = openai("p", ("user", "The fox jumps over the lazy dog. " * 20), ("assistant", "Ok."))
+    no_assistant = openai("q", ("user", "Hi"))
+    with pytest.raises(DatasetError) as err:
+        tokenize_dataset(tiny_tokenizer, [long_prompt, no_assistant], 16, "data/src.jsonl")
+    assert "max_len=16" in str(err.value)
+    assert str(err.value).startswith("data/src.jsonl:")
+    assert "2 conversations" in str(err.value)
+
+
+def test_tokenized_round_trip(tmp_path, tiny_tokenizer):
+    conversations = [openai(f"c{i}", ("user", f"Question {i}?"), ("assistant", f"Answer {i}.")) for i in range(3)]
+    samples, _ = tokenize_dataset(tiny_tokenizer, conversations, 64, "x")
+    manifest = write_tokenized(samples, tmp_path / "train", {"split": "train"})
+    assert manifest["samples"] == 3
+    assert read_tokenized(tmp_path / "train") == samples
+
+
+def test_split_is_stable_and_matches_fraction():
+    samples = [{"id": f"conv-{i:05d}", "input_ids": [i]} for i in range(2000)]
+    train, held_out = split(samples, 0.05)
+    assert len(train) + len(held_out) == 2000
+    assert {s["id"] for s in train}.isdisjoint(s["id"] for s in held_out)
+    assert 60 <= len(held_out) <= 140  # 100 expected; binomial sd ~10
+    shuffled = samples[:]
+    random.Random(3).shuffle(shuffled)
+    train2, held_out2 = split(shuffled, 0.05)
+    assert {s["id"] for s in held_out2} == {s["id"] for s in held_out}
+    assert {s["id"] for s in train2} == {s["id"] for s in train}
+    # A subset keeps its members' assignment (the decision depends on the id alone).
+    sub_train, sub_held = split(samples[:1000], 0.05)
+    assert {s["id"] for s in sub_held} == {s["id"] for s in held_out if int(s["id"][5:]) < 1000}
+    assert all(in_eval_split(s["id"], 0.05) for s in held_out)
+    # No eval split asked for: everything trains.
+    assert split(samples, 0.0) == (samples, [])
+
+
+def test_split_keeps_one_held_out_sample_for_tiny_datasets():
+    ids = [i for i in (f"t{n}" for n in range(50)) if not in_eval_split(i, 0.05)][:3]
+    train, held_out = split([{"id": i} for i in ids], 0.05)
+    assert len(train) == 2 and len(held_out) == 1
+
+
+def test_tiny_dataset_fallback_is_order_independent():
+    ids = [i for i in (f"t{n}" for n in range(50)) if not in_eval_split(i, 0.05)][:3]
+    _, held_a = split([{"id": i} for i in ids], 0.05)
+    _, held_b = split([{"id": i} for i in reversed(ids)], 0.05)
+    assert held_a == held_b

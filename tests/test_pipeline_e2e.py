@@ -1,0 +1,126 @@
+"""The whole lineage under DVC on a micro config, in a temporary git repository.
+
+Checks what users rely on: `dvc repro` builds everything; a second run does nothing; changing `train.lr`
+re-runs only train, the evals of trained drafters and the report; the same params give the same checkpoint
+hash; every stage run is in MLflow, grouped under one parent per pipeline run, with its lineage tags.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = [
+    "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
+    "zoo.drafter_conversations=64", "zoo.predecessor_training.steps=40", "zoo.successor_training.steps=20",
+    "zoo.drafter_training.epochs=1", "zoo.drafter_training.max_steps=8", "generate.max_new_tokens=48",
+    "train.epochs=1", "train.max_steps=12", "train.log_every=4", "eval.max_new_tokens=24",
+]
+ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
+              "eval@scratch", "eval@warm_start", "report"]
+
+pytestmark = pytest.mark.e2e
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout + done.stderr
+
+
+def ran_stages(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+def write_params(repo: Path, overrides: list[str]) -> None:
+    params = OmegaConf.merge(OmegaConf.load(ROOT / "params.yaml"), OmegaConf.from_dotlist(MICRO + overrides))
+    OmegaConf.save(params, repo / "params.yaml")
+
+
+def lock_md5(repo: Path, stage: str, path: str) -> str:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][stage]
+    return next(out["md5"] for out in lock["outs"] if out["path"] == path)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("pipeline")
+    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("dvc.yaml", ".gitignore"):
+        shutil.copy(ROOT / name, repo / name)
+    write_params(repo, [])
+    run(["git", "init", "-q"], repo)
+    run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "--allow-empty", "-m", "init"], repo)
+    run(["dvc", "init", "-q"], repo)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def first_run(repo) -> str:
+    return run(["dvc", "repro"], repo)
+
+
+def test_repro_builds_every_stage(repo, first_run):
+    assert ran_stages(first_run) == ALL_STAGES
+    for drafter in ("baseline", "scratch", "warm_start"):
+        metrics = json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())
+        assert metrics["lossless"] is True, metrics["mismatched_ids"]
+        assert 1.0 <= metrics["tau"] <= 4.0 and metrics["k"] == 3
+        assert metrics["verify_steps"] > 0
+    checkpoint = repo / "models" / "drafters" / "scratch"
+    assert {"config.json", "model.safetensors", "training_state.pt"} <= {p.name for p in checkpoint.iterdir()}
+    manifest = json.loads((repo / "data" / "features" / "train" / "manifest.json").read_text())
+    assert manifest["aux_layers"] == [2, 4, 5] and manifest["samples"] > 0
+    summary = (repo / "reports" / "summary.md").read_text()
+    assert "warm_start" in summary and "baseline" in summary and "mlflow ui" in summary
+    assert (repo / "reports" / "comparison.png").stat().st_size > 10_000
+
+
+def test_second_repro_is_a_no_op(repo, first_run):
+    output = run(["dvc", "repro"], repo)
+    assert ran_stages(output) == []
+    assert "Data and pipelines are up to date" in run(["dvc", "status"], repo)
+
+
+def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("eagle3ops")
+    parents = client.search_runs([experiment.experiment_id], "tags.`eagle3ops.role` = 'pipeline'")
+    assert len(parents) == 1
+    children = client.search_runs([experiment.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
+    assert sorted(r.data.tags["eagle3ops.dvc_stage"] for r in children) == sorted(ALL_STAGES)
+    assert all(r.info.status == "FINISHED" for r in children)
+    by_stage = {r.data.tags["eagle3ops.dvc_stage"]: r for r in children}
+    train = by_stage["train@scratch"]
+    assert train.data.params["train.lr"] == "0.003"
+    assert train.data.tags["dvc.input.data/features"] == lock_md5(repo, "extract", "data/features")
+    assert train.data.tags["hardware.label"]
+    assert len(client.get_metric_history(train.info.run_id, "train/loss")) >= 3
+    assert client.list_artifacts(train.info.run_id, "drafter")
+    for drafter in ("baseline", "scratch", "warm_start"):
+        run_data = by_stage[f"eval@{drafter}"].data
+        assert run_data.metrics["tau"] == json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())["tau"]
+
+
+def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
+    before = lock_md5(repo, "train@scratch", "models/drafters/scratch")
+    write_params(repo, ["train.lr=0.001"])
+    output = run(["dvc", "repro"], repo)
+    assert ran_stages(output) == ["train@scratch", "train@warm_start", "eval@scratch", "eval@warm_start", "report"]
+    assert lock_md5(repo, "train@scratch", "models/drafters/scratch") != before
+
+    write_params(repo, [])  # back to the first params: forced re-training must give the same bytes
+    output = run(["dvc", "repro", "--force", "--single-item", "train@scratch"], repo)
+    assert ran_stages(output) == ["train@scratch"]
+    assert lock_md5(repo, "train@scratch", "models/drafters/scratch") == before
