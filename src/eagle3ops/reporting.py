@@ -76,6 +76,7 @@ def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], pat
 def _table(frame: pd.DataFrame, floatfmt: str) -> str:
     if frame.empty:
         return "(no results yet)"
+    frame = frame.astype(object).where(frame.notna(), None)  # tabulate prints None as missingval, NaN as "nan"
     return frame.to_markdown(index=False, floatfmt=floatfmt, missingval="-")
 
 
