@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import psutil
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Metric
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.data.sources import LocalArtifactDatasetSource
+from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
@@ -107,6 +110,21 @@ def _input_md5s(inputs: Sequence[str | Path], root: Path) -> dict[str, str]:
     return {path: recorded[path] for path in wanted if path in recorded}
 
 
+def _invocation_key() -> str | None:
+    """One key per `dvc repro` / `dvc exp run` invocation: the pid and start time of the dvc process above us
+    (DVC runs each stage command through a shell). None when the stage was started by hand."""
+    try:
+        process = psutil.Process().parent()
+        while process is not None:
+            command = " ".join(process.cmdline()[:2])
+            if re.search(r"(^|/)dvc(\s|$)|-m dvc\b|/dvc/__main__", command) or process.name() == "dvc":
+                return f"dvc-{process.pid}-{int(process.create_time())}"
+            process = process.parent()
+    except psutil.Error:
+        return None
+    return None
+
+
 def _tag_key(text: str) -> str:
     return re.sub(r"[^\w./\- ]", "_", text)  # the characters MLflow allows in tag names
 
@@ -141,13 +159,90 @@ def _parent_run_id(client: MlflowClient, experiment_id: str, key: str, name: str
     return run.info.run_id
 
 
+LOCK_HASH_TAG = "eagle3ops.lock_hash"
+CACHED_FROM_TAG = "eagle3ops.cached_from"
+
+
+def lock_hashes(root: Path) -> dict[str, str]:
+    """{dvc stage name: hash of its dvc.lock entry}. Equal hashes mean the same command, deps, params and outs:
+    the run that wrote the entry produced exactly those outputs."""
+    lock = root / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    return {name: hashlib.sha256(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            for name, entry in stages.items()}
+
+
+def _stage_runs(client: MlflowClient, experiment_id: str, extra: str = "") -> list:
+    query = f"tags.`{ROLE_TAG}` = 'stage'" + (f" and {extra}" if extra else "")
+    return client.search_runs([experiment_id], filter_string=query, order_by=["attributes.start_time DESC"],
+                              max_results=5000)
+
+
+def stamp_finished_stages(client: MlflowClient, experiment_id: str, root: Path) -> None:
+    """Tag the newest finished, unstamped run of each stage with the dvc.lock hash DVC wrote after it ran.
+
+    DVC writes a stage's lock entry only once the stage has succeeded, so the next stage to start (or the
+    report at the end) is the first process that can tie the run to the outputs it produced.
+    """
+    hashes = lock_hashes(root)
+    if not hashes:
+        return
+    stamped = {r.data.tags.get(LOCK_HASH_TAG) for r in _stage_runs(client, experiment_id, f"tags.`{LOCK_HASH_TAG}` != ''")}
+    for run in _stage_runs(client, experiment_id, "attributes.status = 'FINISHED'"):
+        tags = run.data.tags
+        stage = tags.get("eagle3ops.dvc_stage")
+        if stage in hashes and LOCK_HASH_TAG not in tags and hashes[stage] not in stamped:
+            client.set_tag(run.info.run_id, LOCK_HASH_TAG, hashes[stage])
+            stamped.add(hashes[stage])
+
+
+def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str, root: Path) -> list[str]:
+    """Give the pipeline run a child for every stage DVC skipped: a FINISHED link run that names the run which
+    produced the cached outputs (found by dvc.lock hash) and carries its params and final metrics, so every
+    parent shows the whole chain. Returns the linked stage names."""
+    stamp_finished_stages(client, experiment_id, root)
+    present = {r.data.tags.get("eagle3ops.dvc_stage")
+               for r in _stage_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent_id}'")}
+    linked = []
+    for stage, lock_hash in lock_hashes(root).items():
+        if stage in present:
+            continue
+        producers = _stage_runs(client, experiment_id, f"tags.`{LOCK_HASH_TAG}` = '{lock_hash}'")
+        original = next((r for r in producers if CACHED_FROM_TAG not in r.data.tags), None)
+        if original is None:
+            continue
+        tags = {k: v for k, v in original.data.tags.items() if not k.startswith("mlflow.")}
+        tags.update({CACHED_FROM_TAG: original.info.run_id, "mlflow.parentRunId": parent_id})
+        link = client.create_run(original.info.experiment_id, run_name=f"{original.info.run_name} (cached)", tags=tags)
+        client.log_batch(link.info.run_id,
+                         metrics=[Metric(k, v, int(time.time() * 1000), 0) for k, v in original.data.metrics.items()],
+                         params=[Param(k, v) for k, v in original.data.params.items()])
+        client.set_terminated(link.info.run_id, "FINISHED")
+        linked.append(stage)
+    return linked
+
+
+def _log_inputs(client: MlflowClient, run_id: str, md5s: dict[str, str]) -> None:
+    """Datasets and shard directories as MLflow inputs, with the DVC md5 as digest."""
+    datasets = [MetaDataset(LocalArtifactDatasetSource(path), name=path, digest=md5)._to_mlflow_entity()
+                for path, md5 in md5s.items()]
+    if datasets:
+        client.log_inputs(run_id, [DatasetInput(d, tags=[InputTag("mlflow.data.context", "input")]) for d in datasets])
+
+
 class StageRun:
     """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts."""
 
-    def __init__(self, client: MlflowClient, run_id: str, started: float) -> None:
+    def __init__(self, client: MlflowClient, run_id: str, started: float, experiment_id: str, parent_id: str,
+                 root: Path) -> None:
         self._client = client
         self._started = started
         self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.parent_id = parent_id
+        self.root = root
         self.timings: dict[str, float] = {}
 
     def elapsed(self) -> float:
@@ -175,6 +270,10 @@ class StageRun:
         if batch:
             self._client.log_batch(self.run_id, metrics=batch)
 
+    def link_cached_stages(self) -> list[str]:
+        """At the end of a pipeline: link the runs of the stages DVC skipped (see `link_cached_stages`)."""
+        return link_cached_stages(self._client, self.experiment_id, self.parent_id, self.root)
+
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Log a file, or a directory as a folder of its own name (unless `artifact_path` names one)."""
         path = Path(path)
@@ -201,10 +300,13 @@ def stage_run(
     commit, dirty = _git_state(root)
     digest = params_digest(cfg)
     exp_name = os.environ.get("DVC_EXP_NAME")
-    key = exp_name or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
+    key = exp_name or _invocation_key() or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
     shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
-    parent_id = _parent_run_id(client, experiment_id, key, exp_name or f"pipeline-{key}", shared)
+    name = exp_name or f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}"  # used only when the parent is created
+    parent_id = _parent_run_id(client, experiment_id, key, name, shared)
 
+    stamp_finished_stages(client, experiment_id, root)
+    input_md5s = _input_md5s(inputs, root)
     fp = hardware.fingerprint()
     tags = {
         **shared,
@@ -215,16 +317,18 @@ def stage_run(
         "eagle3ops.git_dirty": str(dirty).lower(),
         "hardware.label": hardware.label(fp, cfg.hardware.label),
         **{f"hardware.{name}": str(value) for name, value in fp.items()},
-        **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in _input_md5s(inputs, root).items()},
+        **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in input_md5s.items()},
     }
     run_name = f"{stage}@{variant}" if variant else stage
     active = mlflow.start_run(
-        experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags, log_system_metrics=False
+        experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags,
+        log_system_metrics=cfg.mlflow.system_metrics
     )
     status = "FAILED"
     try:
         mlflow.log_params(_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))))
-        yield StageRun(client, active.info.run_id, start)
+        _log_inputs(client, active.info.run_id, input_md5s)
+        yield StageRun(client, active.info.run_id, start, experiment_id, parent_id, root)
         status = "FINISHED"
     finally:
         try:

@@ -50,6 +50,12 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "auto") 
     return model.to(resolve_device(device)).eval().requires_grad_(False)
 
 
+def model_size(model: nn.Module) -> dict[str, int]:
+    """Parameter count and weight bytes: the counters `project` scales compute- and memory-bound time by."""
+    return {"target_params": sum(p.numel() for p in model.parameters()),
+            "target_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return base.layers

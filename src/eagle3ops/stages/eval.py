@@ -11,7 +11,7 @@ from eagle3ops.data.conversations import DatasetError, normalise, read_jsonl
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_greedy, target_greedy
 from eagle3ops.formats.specforge import load_drafter
 from eagle3ops.metrics import record
-from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer
+from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.tracking import stage_run
 
@@ -62,6 +62,7 @@ def run(cfg: Config, drafter: str) -> None:
                 per_set[prompt["set"]].merge(stats)
                 bar.update(1)
         record(tracked, f"eval-{drafter}", {
+            **model_size(target), "emitted_tokens": spec_tokens,
             "drafter": drafter, "k": cfg.eval.k, "prompts": len(prompts), "tau": round(overall.tau, 4),
             **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
             "verify_steps": overall.steps, "accepted_tokens": overall.accepted,

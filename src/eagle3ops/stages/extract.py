@@ -6,7 +6,7 @@ from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.extraction import extract_features
 from eagle3ops.fs import atomic_dir
 from eagle3ops.metrics import record
-from eagle3ops.modeling.target import load_target, resolve_aux_layers
+from eagle3ops.modeling.target import load_target, model_size, resolve_aux_layers
 from eagle3ops.tracking import stage_run
 
 
@@ -26,6 +26,6 @@ def run(cfg: Config) -> None:
                 totals["tokens"] += result.tokens
                 totals["seconds"] += result.wall_s
         size = sum(f.stat().st_size for f in Path(cfg.extract.out_dir).rglob("*") if f.is_file())
-        record(tracked, "extract", {"samples": totals["samples"], "tokens": totals["tokens"],
+        record(tracked, "extract", {**model_size(model), "samples": totals["samples"], "tokens": totals["tokens"],
                                     "tokens_per_s": round(totals["tokens"] / totals["seconds"], 1),
                                     "bytes": size, "aux_layers": aux_layers})

@@ -4,7 +4,7 @@ from eagle3ops.data.conversations import load_conversations
 from eagle3ops.fs import write_jsonl_atomic
 from eagle3ops.generation import regenerate
 from eagle3ops.metrics import record
-from eagle3ops.modeling.target import load_target, load_tokenizer
+from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.tracking import stage_run
 
 
@@ -20,7 +20,7 @@ def run(cfg: Config) -> None:
             with tracked.phase("generate"):
                 conversations, stats = regenerate(model, tokenizer, conversations, cfg.generate.batch_size,
                                                   cfg.generate.max_new_tokens, cfg.generate.temperature, cfg.seed)
-            metrics.update(turns=stats.turns, new_tokens=stats.new_tokens, unfinished_turns=stats.unfinished,
+            metrics.update(**model_size(model), turns=stats.turns, new_tokens=stats.new_tokens, unfinished_turns=stats.unfinished,
                            tokens_per_s=round(stats.tokens_per_s, 1))
         write_jsonl_atomic(cfg.generate.out, conversations)
         record(tracked, "generate", metrics)

@@ -21,4 +21,5 @@ def run(cfg: Config) -> None:
             acceptance_curve(metrics).to_csv(out / "acceptance.csv", index=False)
             plot(metrics, histories, out / "comparison.png")
         tracked.log_artifact(Path(cfg.report.out_dir), "report")
+        tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
         print(text)

@@ -46,7 +46,8 @@ def run(cfg: Config, init: str) -> None:
         pd.DataFrame(result.history).to_csv(_plot_path(init), index=False)
         tracked.log_artifact(out_dir, "drafter")
         record(tracked, f"train-{init}", {
-            "init": init, "steps": result.steps, "train_tokens": result.tokens,
+            "init": init, "steps": result.steps, "ttt_steps": cfg.train.ttt_steps,
+            "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad), "train_tokens": result.tokens,
             "steps_per_s": round(result.steps_per_s, 2), "tokens_per_s": round(result.tokens_per_s, 1),
             **{key.replace("/", "_"): round(value, 4) for key, value in result.final.items()},
         })
