@@ -50,7 +50,7 @@ def test_same_pipeline_shares_one_finished_parent(tmp_path: Path) -> None:
     assert parent_of(cfg, second.run_id).info.run_id == parent.info.run_id
     assert parent.info.status == "FINISHED"
     key = parent.data.tags["eagle3ops.pipeline_key"]
-    assert parent.info.run_name == f"pipeline-{key}"
+    assert parent.info.run_name.startswith("pipeline 20") and key
     assert parent.data.tags["eagle3ops.params_digest"] == get_run(cfg, first.run_id).data.tags["eagle3ops.params_digest"]
     assert mlflow.active_run() is None
     assert (tmp_path / "mlflow.db").is_file()
