@@ -73,7 +73,8 @@ def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], pat
     plt.close(fig)
 
 
-def _table(frame: pd.DataFrame, floatfmt: str) -> str:
+def markdown_table(frame: pd.DataFrame, floatfmt: str) -> str:
+    """`frame` as a markdown table without its index; missing values show as "-"."""
     if frame.empty:
         return "(no results yet)"
     frame = frame.astype(object).where(frame.notna(), None)  # tabulate prints None as missingval, NaN as "nan"
@@ -84,10 +85,10 @@ def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
     lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
-             _table(acceptance, ".3f"), "",
+             markdown_table(acceptance, ".3f"), "",
              "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); a_i = share "
              "of steps whose i-th draft was accepted; vocab coverage = share of the target's tokens inside the "
              "drafter's vocabulary (a warm start keeps its own).", "",
-             "## Stage timings", "", _table(timings, ".1f"), "",
+             "## Stage timings", "", markdown_table(timings, ".1f"), "",
              f"MLflow runs: `mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000", ""]
     return "\n".join(lines)

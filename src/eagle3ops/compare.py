@@ -1,0 +1,270 @@
+"""`eagle3ops compare`: recorded pipeline runs side by side, read back from MLflow.
+
+Answers "which drafter reaches what tau" (scratch vs warm start vs the baseline used as-is) and "what does each phase
+cost on which hardware" (stay local or rent). Everything works on `PipelineRecord`s (runs.py); `command` is the CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib.patches import Patch
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, load_config
+from eagle3ops.errors import InputError
+from eagle3ops.reporting import markdown_table
+from eagle3ops.runs import PipelineRecord, find_pipelines, load_pipeline
+from eagle3ops.tracking import ROLE_TAG, tracking_uri
+
+DEFAULT_LAST = 5
+DRAFTER_STAGES = ("train", "eval")  # the stages run once per drafter; the others are shared by all drafters
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    stage: str  # the dvc stage that times it
+    time_metric: str
+    rate_metric: str | None = None  # tokens per second
+
+    def seconds(self, record: PipelineRecord) -> float | None:
+        return record.metric(self.stage, self.time_metric)
+
+    def rate(self, record: PipelineRecord) -> float | None:
+        return record.metric(self.stage, self.rate_metric) if self.rate_metric else None
+
+
+PHASES = (
+    # Loading the target, as the extract stage times it: that stage loads the target and nothing else.
+    Phase("load", "extract", "time/load_s"),
+    Phase("generate", "generate", "time/generate_s", "tokens_per_s"),
+    Phase("extract", "extract", "time/extract_s", "tokens_per_s"),
+    *(Phase(f"train@{init}", f"train@{init}", "time/train_s", "tokens_per_s") for init in TRAIN_INITS),
+    *(Phase(f"eval@{drafter}", f"eval@{drafter}", "time/decode_s", "spec_tokens_per_s") for drafter in EVAL_DRAFTERS),
+)
+
+
+def header(record: PipelineRecord) -> str:
+    return f"{record.name} ({record.hardware_label})"
+
+
+def _keep_variants(record: PipelineRecord, variants: Sequence[str]) -> PipelineRecord:
+    """The record without the train/eval stages of the drafters not in `variants`."""
+    stages = {name: stage for name, stage in record.stages.items()
+              if stage.stage not in DRAFTER_STAGES or stage.variant in variants}
+    return dataclasses.replace(record, stages=stages)
+
+
+def _on_hardware(record: PipelineRecord, labels: Sequence[str]) -> bool:
+    """A stage the run did itself ran on one of `labels`. (Not `hardware_label`: it joins several labels with "+",
+    and a label of mixed GPUs has a "+" of its own.)"""
+    return any(s.tags.get("hardware.label") in labels for s in record.stages.values() if not s.cached)
+
+
+def _pipeline(client: MlflowClient, run_id: str) -> PipelineRecord:
+    record = load_pipeline(client, run_id)
+    if record.tags.get(ROLE_TAG) != "pipeline":
+        raise InputError(f"run {run_id} is not a pipeline run (tag {ROLE_TAG} = pipeline); pass the parent run's id")
+    return record
+
+
+def select_pipelines(client: MlflowClient, experiment: str = "eagle3ops", filter_string: str = "",
+                     run_ids: Sequence[str] = (), hardware: Sequence[str] = (), variants: Sequence[str] = (),
+                     last: int | None = DEFAULT_LAST) -> list[PipelineRecord]:
+    """`run_ids` in the order given (the first is the reference), else the experiment's pipeline runs matching
+    `filter_string`, newest first; then only runs on one of the `hardware` labels and runs that recorded one of
+    the `variants` (drafters), showing only those drafters; at most `last` runs (None: all)."""
+    if run_ids:
+        records = [_pipeline(client, run_id) for run_id in run_ids]
+    else:
+        # Hardware and variants are only known once a run's stages are loaded: then read more than `last`.
+        limit = 1000 if hardware or variants or last is None else last
+        records = find_pipelines(client, experiment, filter_string, max_results=limit)
+    if hardware:
+        records = [r for r in records if _on_hardware(r, hardware)]
+    if variants:
+        records = [_keep_variants(r, variants) for r in records
+                   if any(s.stage in DRAFTER_STAGES and s.variant in variants for s in r.stages.values())]
+    return records[:last]
+
+
+def side_by_side(records: Sequence[PipelineRecord]) -> pd.DataFrame:
+    """One column per run: tau and per-position acceptance per drafter, then seconds and tokens/s per phase.
+    Rows no run recorded are left out."""
+    rows: dict[str, list[float | None]] = {}
+    for drafter in EVAL_DRAFTERS:
+        stage = f"eval@{drafter}"
+        rows[f"{drafter} tau"] = [r.metric(stage, "tau") for r in records]
+        k = max(int(r.metric(stage, "k") or 0) for r in records)
+        for i in range(1, k + 1):
+            rows[f"{drafter} a{i}"] = [r.metric(stage, f"accept_{i}") for r in records]
+    for phase in PHASES:
+        rows[f"{phase.name} s"] = [phase.seconds(r) for r in records]
+        if phase.rate_metric:
+            rows[f"{phase.name} tok/s"] = [phase.rate(r) for r in records]
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=[header(r) for r in records], dtype=float)
+    frame.index.name = "metric"
+    return frame.dropna(how="all")
+
+
+def _same_run(stage: str, a: PipelineRecord, b: PipelineRecord) -> bool:
+    """Both pipelines show one stage run (DVC skipped the stage in one of them): one measurement, not two."""
+    first, second = a.stages.get(stage), b.stages.get(stage)
+    return first is not None and second is not None and first.run_id == second.run_id
+
+
+def _speedup(phase: Phase, reference: PipelineRecord, other: PipelineRecord) -> float | None:
+    if _same_run(phase.stage, reference, other):
+        return None
+    # Throughput where the phase has one, so runs over different amounts of data still compare fairly.
+    if phase.rate_metric:
+        ref, run = phase.rate(reference), phase.rate(other)
+        return run / ref if ref and run else None
+    ref, run = phase.seconds(reference), phase.seconds(other)
+    return ref / run if ref and run else None
+
+
+def speedups(records: Sequence[PipelineRecord]) -> pd.DataFrame:
+    """How many times faster than the first run (the reference) each other run is, per phase (> 1 = faster)."""
+    reference, others = records[0], records[1:]
+    rows = {phase.name: [_speedup(phase, reference, other) for other in others] for phase in PHASES}
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=[header(r) for r in others], dtype=float)
+    return frame.dropna(how="all")
+
+
+def _tau_deltas(reference: PipelineRecord, other: PipelineRecord) -> list[str]:
+    deltas = []
+    for drafter in EVAL_DRAFTERS:
+        stage = f"eval@{drafter}"
+        ref, run = reference.metric(stage, "tau"), other.metric(stage, "tau")
+        if ref is not None and run is not None and not _same_run(stage, reference, other):
+            deltas.append(f"{drafter} {run - ref:+.2f} tau")
+    return deltas
+
+
+def against_reference(records: Sequence[PipelineRecord]) -> list[str]:
+    """One line per run after the first: its speed-up per phase and its tau change per drafter."""
+    ratios = speedups(records)
+    lines = []
+    for other in records[1:]:
+        times = [f"{phase} {r:.1f}x faster" if r >= 1 else f"{phase} {1 / r:.1f}x slower"
+                 for phase, r in ratios[header(other)].dropna().items()]
+        parts = [", ".join(part) for part in (times, _tau_deltas(records[0], other)) if part]
+        lines.append(f"{header(other)}: {'; '.join(parts) or 'nothing measured in both runs'}")
+    return lines
+
+
+def within_runs(records: Sequence[PipelineRecord]) -> list[str]:
+    """warm_start against scratch inside each run, with the optimizer steps each took to get there."""
+    lines = []
+    for record in records:
+        warm, scratch = record.metric("eval@warm_start", "tau"), record.metric("eval@scratch", "tau")
+        if warm is None or scratch is None:
+            continue
+        warm_steps, scratch_steps = record.metric("train@warm_start", "steps"), record.metric("train@scratch", "steps")
+        line = f"{header(record)}: warm_start {warm - scratch:+.2f} tau vs scratch"
+        if warm_steps is not None and scratch_steps is not None:
+            line += (f" at the same steps ({warm_steps:,.0f})" if warm_steps == scratch_steps
+                     else f" at {warm_steps:,.0f} vs {scratch_steps:,.0f} steps")
+        lines.append(line)
+    return lines
+
+
+def _rounded(table: pd.DataFrame) -> pd.DataFrame:
+    """Each row to its unit's precision (tau and acceptance 3 decimals, seconds 2, tokens/s whole): one floatfmt
+    for the whole table cannot fit them all."""
+    def decimals(label: str) -> int:
+        return 0 if label.endswith("/s") else 2 if label.endswith(" s") else 3
+
+    return table.apply(lambda row: row.round(decimals(row.name)), axis=1)
+
+
+def markdown(records: Sequence[PipelineRecord]) -> str:
+    table = _rounded(side_by_side(records)).reset_index()
+    cached = [f"{header(r)}: {', '.join(s.dvc_stage for s in r.stages.values() if s.cached)}"
+              for r in records if any(s.cached for s in r.stages.values())]
+    lines = ["# eagle3ops compare", "", "## Side by side", "", markdown_table(table, ",.10g"), "",
+             "tau = tokens per target verification step (bonus token included); a_i = share of steps whose i-th "
+             "draft was accepted; s = seconds of the phase; tok/s = its tokens per second (eval: speculative "
+             "decoding); load = loading the target, as the extract stage times it.", ""]
+    if cached:
+        lines += ["Stages DVC skipped (their values are those of the run that produced the outputs): "
+                  + "; ".join(cached) + ".", ""]
+    lines += [f"## Against {header(records[0])}", "", "Speed-ups use tokens/s where the phase has it (load: time).",
+              "", *(f"- {line}" for line in against_reference(records) or ["(one run selected)"]), ""]
+    within = within_runs(records)
+    if within:
+        lines += ["## Within each run", "", *(f"- {line}" for line in within), ""]
+    lines += [f"Again: `eagle3ops compare --runs {' '.join(r.run_id for r in records)}`", ""]
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[PipelineRecord], path: Path) -> None:
+    """Left: tau against training tokens, one line per trained variant, one point per run. Right: seconds per
+    phase, one bar per run, coloured by hardware label (runs on the same hardware side by side)."""
+    fig, (curve, bars) = plt.subplots(1, 2, figsize=(14, 4.8))
+    for init in TRAIN_INITS:
+        points: dict[tuple[float, float], list[str]] = {}  # runs sharing a cached stage share a point
+        for r in records:
+            tokens, tau = r.metric(f"train@{init}", "train_tokens"), r.metric(f"eval@{init}", "tau")
+            if tokens is not None and tau is not None:
+                points.setdefault((tokens, tau), []).append(r.name)
+        if points:
+            curve.plot(*zip(*sorted(points)), marker="o", label=init)
+            for xy, names in points.items():
+                curve.annotate(", ".join(names), xy, textcoords="offset points", xytext=(4, 4), fontsize=8)
+    curve.set(title="tau vs training tokens", xlabel="training tokens", ylabel="tau (tokens per verification)")
+    if curve.lines:
+        curve.legend()
+
+    runs = sorted(records, key=lambda r: r.hardware_label)
+    labels = sorted({r.hardware_label for r in runs})
+    colours = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    phases = [p for p in PHASES if any(p.seconds(r) for r in runs)]
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        offset = (i - (len(runs) - 1) / 2) * width
+        heights = [p.seconds(run) or float("nan") for p in phases]
+        bars.bar([j + offset for j in range(len(phases))], heights, width, color=colours[run.hardware_label],
+                 edgecolor="white")
+    bars.set_xticks(range(len(phases)), [p.name for p in phases], rotation=30, ha="right")
+    bars.set(title="Phase time by hardware (one bar per run)", ylabel="seconds", yscale="log")
+    bars.legend(handles=[Patch(color=colour, label=label) for label, colour in colours.items()])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(records: Sequence[PipelineRecord], out_dir: Path) -> str:
+    """compare.md, compare.csv (the side-by-side table, full precision) and compare.png; returns the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(records)
+    (out_dir / "compare.md").write_text(text)
+    side_by_side(records).to_csv(out_dir / "compare.csv")
+    plot(records, out_dir / "compare.png")
+    return text
+
+
+def command(args: argparse.Namespace) -> int:
+    """`eagle3ops compare`, with the arguments cli.py defines."""
+    try:
+        cfg = load_config() if Path("params.yaml").is_file() else Config()
+        client = MlflowClient(args.tracking_uri or tracking_uri(cfg))
+        records = select_pipelines(client, args.experiment or cfg.mlflow.experiment, args.filter, args.runs,
+                                   args.hardware, args.variant, args.last or (None if args.runs else DEFAULT_LAST))
+    except (InputError, MlflowException) as err:  # a bad filter or run id: one line, no traceback
+        print(f"eagle3ops compare: error: {err}", file=sys.stderr)
+        return 2
+    if not records:
+        print("eagle3ops compare: no pipeline runs match", file=sys.stderr)
+        return 1
+    print(write_report(records, Path(args.out)))
+    return 0
