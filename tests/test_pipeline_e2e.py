@@ -17,6 +17,8 @@ import yaml
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from eagle3ops.runs import find_pipelines
+
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = [
     "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
@@ -60,9 +62,18 @@ def repo(tmp_path_factory) -> Path:
         shutil.copy(ROOT / name, repo / name)
     write_params(repo, [])
     run(["git", "init", "-q"], repo)
-    run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "--allow-empty", "-m", "init"], repo)
     run(["dvc", "init", "-q"], repo)
+    run(["git", "add", "."], repo)
+    run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", "micro pipeline"], repo)
     return repo
+
+
+def client(repo: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def pipelines(repo: Path) -> list:
+    return find_pipelines(client(repo))  # newest first
 
 
 @pytest.fixture(scope="module")
@@ -93,32 +104,72 @@ def test_second_repro_is_a_no_op(repo, first_run):
 
 
 def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("eagle3ops")
-    parents = client.search_runs([experiment.experiment_id], "tags.`eagle3ops.role` = 'pipeline'")
-    assert len(parents) == 1
-    children = client.search_runs([experiment.experiment_id],
-                                  f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
-    assert sorted(r.data.tags["eagle3ops.dvc_stage"] for r in children) == sorted(ALL_STAGES)
-    assert all(r.info.status == "FINISHED" for r in children)
-    by_stage = {r.data.tags["eagle3ops.dvc_stage"]: r for r in children}
-    train = by_stage["train@scratch"]
+    (first,) = pipelines(repo)
+    assert sorted(first.stages) == sorted(ALL_STAGES)
+    assert not any(stage.cached for stage in first.stages.values())
+    store = client(repo)
+    train = store.get_run(first.stages["train@scratch"].run_id)
+    assert train.info.status == "FINISHED"
     assert train.data.params["train.lr"] == "0.003"
-    assert train.data.tags["dvc.input.data/features"] == lock_md5(repo, "extract", "data/features")
-    assert train.data.tags["hardware.label"]
-    assert len(client.get_metric_history(train.info.run_id, "train/loss")) >= 3
-    assert client.list_artifacts(train.info.run_id, "drafter")
+    features_md5 = lock_md5(repo, "extract", "data/features")
+    assert train.data.tags["dvc.input.data/features"] == features_md5
+    assert features_md5 in {d.dataset.digest for d in train.inputs.dataset_inputs}  # MLflow inputs carry DVC md5s
+    assert train.data.tags["hardware.label"] and train.data.tags["hardware.cpu_logical_cores"]
+    assert len(store.get_metric_history(train.info.run_id, "train/loss")) >= 3
+    assert store.list_artifacts(train.info.run_id, "drafter")
     for drafter in ("baseline", "scratch", "warm_start"):
-        run_data = by_stage[f"eval@{drafter}"].data
-        assert run_data.metrics["tau"] == json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())["tau"]
+        recorded = json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())["tau"]
+        assert first.metric(f"eval@{drafter}", "tau") == recorded
+    assert {a.path for a in store.list_artifacts(first.run_id, "lineage")} == {
+        "lineage/dvc.yaml", "lineage/params.yaml", "lineage/dvc.lock"}
+
+
+def test_drafters_are_registered_with_a_champion(repo, first_run):
+    store = client(repo)
+    versions = store.search_model_versions("name = 'eagle3-drafter'")
+    assert len(versions) == 3
+    best = max(versions, key=lambda v: float(v.tags["tau"]))
+    assert store.get_model_version_by_alias("eagle3-drafter", "champion").version == best.version
+    assert all(v.tags["eagle3ops.pipeline_key"] for v in versions)
+
+
+def test_dvc_shows_tau_and_timings(repo, first_run):
+    shown = json.loads(run(["dvc", "metrics", "show", "--json"], repo))
+    metrics = next(iter(shown.values()))["data"]
+    scratch = metrics["metrics/eval-scratch.json"]["data"]
+    assert scratch["tau"] > 1.0 and scratch["time"]["stage_s"] > 0
+
+
+def test_reproduce_gives_identical_hashes(repo, first_run):
+    (first,) = pipelines(repo)
+    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    output = run(["eagle3ops", "reproduce", first.run_id, "--tracking-uri", uri, "--json", "reproduced.json"], repo)
+    result = json.loads((repo / "reproduced.json").read_text())
+    data_and_models = [o for o in result["outputs"] if o["kind"] == "result"]
+    assert len(data_and_models) == 9 and all(o["identical"] for o in data_and_models), output
+    taus = [m for m in result["metrics"] if m["metric"] == "tau"]
+    assert len(taus) == 3 and all(m["delta"] == 0 for m in taus)
+    rerun = next(p for p in pipelines(repo) if p.tags.get("eagle3ops.reproduces") == first.run_id)
+    assert sorted(rerun.stages) == sorted(ALL_STAGES)
 
 
 def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     before = lock_md5(repo, "train@scratch", "models/drafters/scratch")
-    write_params(repo, ["train.lr=0.001"])
-    output = run(["dvc", "repro"], repo)
+    output = run(["dvc", "exp", "run", "-S", "train.lr=0.001", "-n", "lr-1e-3"], repo)
     assert ran_stages(output) == ["train@scratch", "train@warm_start", "eval@scratch", "eval@warm_start", "report"]
     assert lock_md5(repo, "train@scratch", "models/drafters/scratch") != before
+
+    # The experiment's parent run is named after it and still shows the whole chain: the stages DVC skipped
+    # are linked to the runs that produced their outputs.
+    experiment = next(p for p in pipelines(repo) if p.name == "lr-1e-3")
+    assert sorted(experiment.stages) == sorted(ALL_STAGES)
+    cached = {name for name, stage in experiment.stages.items() if stage.cached}
+    assert cached == {"zoo", "generate", "prepare", "extract", "eval@baseline"}
+    original = next(p for p in pipelines(repo) if "eagle3ops.reproduces" not in p.tags and p.name != "lr-1e-3")
+    assert experiment.stages["extract"].run_id == original.stages["extract"].run_id
+    assert experiment.stages["train@scratch"].params["train.lr"] == "0.001"
+    shown = run(["dvc", "exp", "show", "--json"], repo)
+    assert "lr-1e-3" in shown and "tau" in shown
 
     write_params(repo, [])  # back to the first params: forced re-training must give the same bytes
     output = run(["dvc", "repro", "--force", "--single-item", "train@scratch"], repo)

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, ConfigError, load_config
+from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, ConfigError, load_config
 from eagle3ops.errors import InputError
 
 STAGES = {
@@ -37,12 +37,100 @@ def parser() -> argparse.ArgumentParser:
         if name == "eval":
             sub.add_argument("--drafter", choices=EVAL_DRAFTERS, required=True,
                              help="baseline = train.warm_start used as-is; scratch / warm_start = our trained drafters")
+    reproduce = commands.add_parser(
+        "reproduce", help="re-run a recorded pipeline run in a clean worktree and compare hashes and metrics",
+        description="Check out the run's git commit with its recorded dvc.yaml, params.yaml and dvc.lock in a "
+                    "separate worktree, run `dvc repro` with an empty cache, and report which outputs came back "
+                    "with identical hashes and how far each metric moved.")
+    reproduce.add_argument("run_id", help="the pipeline (parent) run id, as `eagle3ops compare` or the MLflow UI show")
+    reproduce.add_argument("--params", default="params.yaml", help="where the tracking settings come from")
+    reproduce.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from --params)")
+    reproduce.add_argument("--keep", action="store_true", help="keep the worktree for inspection")
+    reproduce.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    compare = commands.add_parser(
+        "compare", help="recorded pipeline runs side by side: tau, acceptance, phase times and throughput",
+        description="Select pipeline runs from MLflow (newest first, or --runs in the order given; the first is the "
+                    "reference) and write compare.md, compare.csv and compare.png.")
+    compare.add_argument("--experiment", help="MLflow experiment (default: mlflow.experiment in params.yaml)")
+    source = compare.add_mutually_exclusive_group()
+    source.add_argument("--runs", nargs="+", default=[], metavar="RUN_ID", help="pipeline (parent) run ids")
+    source.add_argument("--filter", default="", metavar="MLFLOW_FILTER",
+                        help="MLflow search over the pipeline runs, e.g. \"tags.`eagle3ops.pipeline_key` = 'lr-sweep'\"")
+    compare.add_argument("--variant", nargs="+", action="extend", default=[], choices=EVAL_DRAFTERS, metavar="V",
+                         help=f"only runs with these drafters ({', '.join(EVAL_DRAFTERS)}), and only their rows")
+    compare.add_argument("--hardware", nargs="+", action="extend", default=[], metavar="LABEL",
+                         help="only runs on these hardware labels")
+    compare.add_argument("--last", type=int, metavar="N", help="the N newest matching runs (default: 5; all of --runs)")
+    compare.add_argument("--out", default="comparisons", help="output directory (default: %(default)s)")
+    compare.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from params.yaml)")
+    project = commands.add_parser(
+        "project", help="project a pilot pipeline run's phase times and cost to N samples on other hardware",
+        description="From a measured pilot pipeline run and hardware profiles (YAML, see eagle3ops/profiles/), "
+                    "project each phase's wall time and the cost of a run of N samples on each target profile. "
+                    "The model is documented in eagle3ops.projection.")
+    project.add_argument("--run", required=True, metavar="RUN_ID", help="the measured pilot pipeline (parent) run id")
+    project.add_argument("--samples", required=True, type=int, metavar="N", help="samples of the projected run")
+    project.add_argument("--from", dest="from_profile", metavar="PROFILE",
+                         help="the pilot's profile (default: the profile listing the stages' hardware label)")
+    project.add_argument("--to", action="append", required=True, metavar="PROFILE",
+                         help="target profile: a shipped name or a YAML path (repeatable)")
+    project.add_argument("--measured", metavar="RUN_ID", help="a real run on target hardware: print projected vs measured")
+    project.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from params.yaml)")
+    project.add_argument("--out", metavar="FILE.md", help="also write the report to this file")
     return main
+
+
+def _reproduce(args) -> int:
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from eagle3ops.reproduce import as_json, reproduce, summary
+    from eagle3ops.tracking import tracking_uri
+
+    uri = args.tracking_uri or tracking_uri(load_config(args.params) if Path(args.params).is_file() else Config())
+    result = reproduce(MlflowClient(uri), args.run_id, Path.cwd(), uri, keep=args.keep)
+    print(summary(result))
+    if args.json:
+        Path(args.json).write_text(as_json(result))
+    return 0 if result.identical else 3
+
+
+def _project(args) -> int:
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from eagle3ops.projection import project_runs, render
+    from eagle3ops.tracking import tracking_uri
+
+    uri = args.tracking_uri or tracking_uri(load_config() if Path("params.yaml").is_file() else Config())
+    text = render(project_runs(MlflowClient(uri), args.run, args.samples, args.to, args.from_profile, args.measured))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.stage == "reproduce":
+        try:
+            return _reproduce(args)
+        except InputError as err:
+            print(f"eagle3ops reproduce: error: {err}", file=sys.stderr)
+            return 1
+    if args.stage == "compare":  # reads MLflow only; pandas and matplotlib load only here
+        from eagle3ops.compare import command
+
+        return command(args)
+    if args.stage == "project":
+        try:
+            return _project(args)
+        except InputError as err:
+            print(f"eagle3ops project: error: {err}", file=sys.stderr)
+            return 1
     try:
         cfg = load_config(args.params, args.overrides)
     except ConfigError as err:

@@ -232,6 +232,28 @@ def _log_inputs(client: MlflowClient, run_id: str, md5s: dict[str, str]) -> None
         client.log_inputs(run_id, [DatasetInput(d, tags=[InputTag("mlflow.data.context", "input")]) for d in datasets])
 
 
+CHAMPION = "champion"
+
+
+def register_drafter(client: MlflowClient, run, name: str, source: str, tau: float) -> str:
+    """A new version of registered model `name` from the drafter at `source`, tagged with its tau and lineage;
+    the alias `champion` moves to it when its tau beats the current champion's. Returns the version."""
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="EAGLE-3 drafters, SpecForge/SGLang layout, with their tau")
+    lineage = {k: v for k, v in run.data.tags.items() if k.startswith(("eagle3ops.", "dvc.input.", "hardware.label"))}
+    version = client.create_model_version(name, source, run_id=run.info.run_id, tags={**lineage, "tau": f"{tau:.4f}"})
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION)
+        best = float(champion.tags.get("tau", "-inf"))
+    except MlflowException:
+        best = float("-inf")
+    if tau > best:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+    return version.version
+
+
 class StageRun:
     """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts."""
 
@@ -270,6 +292,15 @@ class StageRun:
         if batch:
             self._client.log_batch(self.run_id, metrics=batch)
 
+    def register_drafter(self, name: str, artifact_path: str, tau: float) -> str:
+        """Register this run's logged drafter artifact (see `register_drafter`)."""
+        run = self._client.get_run(self.run_id)
+        return register_drafter(self._client, run, name, f"{run.info.artifact_uri}/{artifact_path}", tau)
+
+    def log_pipeline_artifact(self, path: str | Path, artifact_path: str) -> None:
+        """A file that describes the whole pipeline run (dvc.lock, params.yaml) goes on the parent run."""
+        self._client.log_artifact(self.parent_id, str(path), artifact_path)
+
     def link_cached_stages(self) -> list[str]:
         """At the end of a pipeline: link the runs of the stages DVC skipped (see `link_cached_stages`)."""
         return link_cached_stages(self._client, self.experiment_id, self.parent_id, self.root)
@@ -302,6 +333,8 @@ def stage_run(
     exp_name = os.environ.get("DVC_EXP_NAME")
     key = exp_name or _invocation_key() or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
     shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
+    if os.environ.get("EAGLE3OPS_REPRODUCES"):  # set by `eagle3ops reproduce` for the re-run it starts
+        shared["eagle3ops.reproduces"] = os.environ["EAGLE3OPS_REPRODUCES"]
     name = exp_name or f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}"  # used only when the parent is created
     parent_id = _parent_run_id(client, experiment_id, key, name, shared)
 

@@ -61,6 +61,9 @@ def run(cfg: Config, drafter: str) -> None:
                 overall.merge(stats)
                 per_set[prompt["set"]].merge(stats)
                 bar.update(1)
+        tracked.log_artifact(path, "drafter")
+        if cfg.mlflow.registered_model:
+            tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
         record(tracked, f"eval-{drafter}", {
             **model_size(target), "emitted_tokens": spec_tokens,
             "drafter": drafter, "k": cfg.eval.k, "prompts": len(prompts), "tau": round(overall.tau, 4),

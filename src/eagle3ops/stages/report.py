@@ -22,4 +22,7 @@ def run(cfg: Config) -> None:
             plot(metrics, histories, out / "comparison.png")
         tracked.log_artifact(Path(cfg.report.out_dir), "report")
         tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
+        for name in ("dvc.yaml", "params.yaml", "dvc.lock"):  # what `eagle3ops reproduce` needs
+            if Path(name).is_file():
+                tracked.log_pipeline_artifact(name, "lineage")
         print(text)
