@@ -6,7 +6,8 @@ from eagle3ops.hardware import fingerprint, label
 
 KEYS = {
     "accelerator", "gpu_count", "gpu_models", "gpu_memory_gib", "gpu_link", "cpu_model", "cpu_logical_cores",
-    "cpu_usable_cores", "torch_threads", "ram_gib", "disk_free_gib", "os", "python", "torch", "cuda", "transformers",
+    "cpu_usable_cores", "torch_threads", "ram_gib", "disk_free_gib", "disk_total_gib", "os", "python", "torch", "cuda",
+    "driver", "transformers", "dvc", "mlflow",
 }
 
 
@@ -27,7 +28,7 @@ def test_gpu_labels_from_hand_made_fingerprints() -> None:
     pro = {"gpu_count": 8, "gpu_models": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "gpu_link": "pcie"}
     b300 = {"gpu_count": 8, "gpu_models": "NVIDIA B300", "gpu_link": "nvlink"}
     assert label(h200) == "1xH200"
-    assert label(pro) == "8xRTXPRO6000"
+    assert label(pro) == "8xRTXPRO6000-pcie"
     assert label(b300) == "8xB300-nvlink"
     assert label({"gpu_count": 0, "cpu_usable_cores": "unknown", "cpu_logical_cores": 4}) == "cpu-4c"
 

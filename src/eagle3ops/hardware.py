@@ -65,6 +65,16 @@ def _gpu_link(gpu_count: int) -> str:
     return "nvlink" if any(re.fullmatch(r"NV\d+", cell) for cell in cells) else "pcie"
 
 
+def _driver_version() -> str:
+    import pynvml  # nvidia-ml-py; it fails cleanly where there is no NVIDIA driver
+
+    pynvml.nvmlInit()
+    try:
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _package_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -104,7 +114,11 @@ def fingerprint() -> dict[str, Value]:
         "python": _safe(lambda: sys.version.split()[0]),
         "torch": _safe(lambda: torch.__version__),
         "cuda": _safe(lambda: torch.version.cuda or NOT_APPLICABLE),
+        "driver": _safe(_driver_version) if gpu_count else NOT_APPLICABLE,
+        "disk_total_gib": _safe(lambda: round(shutil.disk_usage(os.getcwd()).total / _GIB, 1)),
         "transformers": _safe(lambda: _package_version("transformers")),
+        "dvc": _safe(lambda: _package_version("dvc")),
+        "mlflow": _safe(lambda: _package_version("mlflow")),
     }
 
 
@@ -114,15 +128,15 @@ def _compact_gpu_name(name: str) -> str:
 
 
 def label(fp: dict[str, Value], override: str | None = None) -> str:
-    """`override` if given, else "<n>x<model>[-nvlink]" for GPUs or "cpu-<cores>c"."""
+    """`override` if given, else "<n>x<model>[-nvlink|-pcie]" for GPUs or "cpu-<cores>c"."""
     if override:
         return override
     count = fp.get("gpu_count")
     if isinstance(count, int) and count > 0:
         models = [m.strip() for m in str(fp.get("gpu_models", "")).split(",") if m.strip()]
         name = "+".join(_compact_gpu_name(m) for m in models) or "GPU"
-        nvlink = count > 1 and fp.get("gpu_link") == "nvlink"
-        return f"{count}x{name}{'-nvlink' if nvlink else ''}"
+        link = fp.get("gpu_link") if count > 1 and fp.get("gpu_link") in ("nvlink", "pcie") else None
+        return f"{count}x{name}{'-' + link if link else ''}"  # how GPUs talk decides multi-GPU phase times
     cores = fp.get("cpu_usable_cores", UNKNOWN)
     if not isinstance(cores, int):
         cores = fp.get("cpu_logical_cores", UNKNOWN)
