@@ -175,3 +175,8 @@ def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     output = run(["dvc", "repro", "--force", "--single-item", "train@scratch"], repo)
     assert ran_stages(output) == ["train@scratch"]
     assert lock_md5(repo, "train@scratch", "models/drafters/scratch") == before
+
+    # The experiment's commit exists only after its last stage: the next stage run tags the parent with it.
+    refs = run(["git", "for-each-ref", "refs/exps", "--format=%(refname) %(objectname)"], repo).split()
+    experiment = next(p for p in pipelines(repo) if p.name == "lr-1e-3")
+    assert experiment.tags["eagle3ops.result_commit"] == refs[refs.index(next(r for r in refs if r.endswith("/lr-1e-3"))) + 1]

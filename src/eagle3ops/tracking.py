@@ -46,8 +46,19 @@ def _root() -> Path:
     return Path(os.environ.get("DVC_ROOT") or os.getcwd()).absolute()
 
 
+def _store_root(root: Path) -> Path:
+    """Queued and --temp experiments run in a copy under <repo>/.dvc/tmp/exps/: their runs belong in the
+    repository's own store, not in a copy that DVC deletes afterwards."""
+    parts = root.parts
+    if ".dvc" in parts:
+        at = parts.index(".dvc")
+        if parts[at + 1 : at + 3] == ("tmp", "exps"):
+            return Path(*parts[:at])
+    return root
+
+
 def _default_uri(root: Path) -> str:
-    return f"sqlite:///{root / 'mlflow.db'}"
+    return f"sqlite:///{_store_root(root) / 'mlflow.db'}"
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -198,6 +209,23 @@ def stamp_finished_stages(client: MlflowClient, experiment_id: str, root: Path) 
             stamped.add(hashes[stage])
 
 
+RESULT_COMMIT_TAG = "eagle3ops.result_commit"
+
+
+def tag_experiment_commits(client: MlflowClient, experiment_id: str, root: Path) -> None:
+    """`dvc exp run` commits its results only after the last stage: tag each experiment's parent run with that
+    commit as soon as a later process (the next stage run, or `compare`) can see it under refs/exps."""
+    refs = _git(root, "for-each-ref", "refs/exps", "--format=%(refname) %(objectname)")
+    if not refs:
+        return
+    commits = {ref.rsplit("/", 1)[-1]: sha for ref, sha in (line.split() for line in refs.splitlines())}
+    parents = client.search_runs([experiment_id], f"tags.`{ROLE_TAG}` = 'pipeline'", max_results=5000)
+    for parent in parents:
+        name = parent.data.tags.get(PIPELINE_KEY_TAG)
+        if name in commits and RESULT_COMMIT_TAG not in parent.data.tags:
+            client.set_tag(parent.info.run_id, RESULT_COMMIT_TAG, commits[name])
+
+
 def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str, root: Path) -> list[str]:
     """Give the pipeline run a child for every stage DVC skipped: a FINISHED link run that names the run which
     produced the cached outputs (found by dvc.lock hash) and carries its params and final metrics, so every
@@ -325,7 +353,7 @@ def stage_run(
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
-    artifacts = (root / "mlruns").as_uri() if uri == _default_uri(root) else None
+    artifacts = (_store_root(root) / "mlruns").as_uri() if uri == _default_uri(root) else None
     experiment_id = _experiment_id(client, cfg.mlflow.experiment, artifacts)
 
     commit, dirty = _git_state(root)
@@ -339,6 +367,7 @@ def stage_run(
     parent_id = _parent_run_id(client, experiment_id, key, name, shared)
 
     stamp_finished_stages(client, experiment_id, root)
+    tag_experiment_commits(client, experiment_id, root)
     input_md5s = _input_md5s(inputs, root)
     fp = hardware.fingerprint()
     tags = {
