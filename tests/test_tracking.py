@@ -192,3 +192,12 @@ def test_git_commit_and_dirty_state(tmp_path: Path) -> None:
     assert tags["eagle3ops.git_commit"] == git("rev-parse", "HEAD")
     assert tags["eagle3ops.git_dirty"] == "false"
     assert get_run(cfg, dirty.run_id).data.tags["eagle3ops.git_dirty"] == "true"
+
+
+def test_queued_experiments_record_into_the_repository_store(monkeypatch) -> None:
+    """`dvc exp run --queue` runs stages in a copy under <repo>/.dvc/tmp/exps/; the default store stays the repo's."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DVC_ROOT", "/srv/project/.dvc/tmp/exps/tmpq8k2/")
+    assert tracking_uri(Config()) == "sqlite:////srv/project/mlflow.db"
+    monkeypatch.setenv("DVC_ROOT", "/srv/project")
+    assert tracking_uri(Config()) == "sqlite:////srv/project/mlflow.db"
