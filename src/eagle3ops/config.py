@@ -64,6 +64,7 @@ class OptimConfig:
     warmup_ratio: float = 0.015
     grad_clip: float = 0.5
     log_every: int = 10
+    checkpoint_every: int = 100  # steps between resume points (0 = none); see resume.py
 
 
 @dataclass

@@ -293,6 +293,7 @@ class StageRun:
         self.experiment_id = experiment_id
         self.parent_id = parent_id
         self.root = root
+        self.input_md5s: dict[str, str] = {}  # dvc.lock md5 of each input the stage named
         self.timings: dict[str, float] = {}
 
     def elapsed(self) -> float:
@@ -390,7 +391,9 @@ def stage_run(
     try:
         mlflow.log_params(_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))))
         _log_inputs(client, active.info.run_id, input_md5s)
-        yield StageRun(client, active.info.run_id, start, experiment_id, parent_id, root)
+        handle = StageRun(client, active.info.run_id, start, experiment_id, parent_id, root)
+        handle.input_md5s = input_md5s
+        yield handle
         status = "FINISHED"
     finally:
         try:

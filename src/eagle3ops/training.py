@@ -89,21 +89,27 @@ class TrainResult:
     wall_s: float
     final: dict[str, float]
     history: list[dict[str, float]] = field(default_factory=list)
+    resumed_at: tuple[int, int] = (0, 0)  # (step, tokens) this process started from
 
     @property
     def steps_per_s(self) -> float:
-        return self.steps / self.wall_s if self.wall_s else 0.0
+        return (self.steps - self.resumed_at[0]) / self.wall_s if self.wall_s else 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
+        return (self.tokens - self.resumed_at[1]) / self.wall_s if self.wall_s else 0.0
 
 
 def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, lm_head: torch.Tensor,
                   optim: DrafterTrainConfig, seed: int, device: torch.device,
                   log: Callable[[int, dict[str, float]], None] | None = None, state: dict | None = None,
-                  desc: str = "train") -> tuple[TrainResult, dict]:
-    """Train in place. Returns the result and the training state to save beside the checkpoint."""
+                  checkpoint: Callable[[dict], None] | None = None, desc: str = "train") -> tuple[TrainResult, dict]:
+    """Train in place. Returns the result and the training state to save beside the checkpoint.
+
+    `checkpoint` receives the full state (weights included) every `optim.checkpoint_every` steps; passed back
+    as `state`, it resumes the run exactly where it was: same batches, same optimizer and scheduler state, same
+    RNG, so the final weights equal those of an uninterrupted run.
+    """
     seed_everything(seed)
     draft.to(device).train()
     lm_head = lm_head.to(device)
@@ -114,14 +120,20 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     if optim.max_steps is not None:
         total_steps = min(total_steps, optim.max_steps)
     scheduler = warmup_cosine(optimizer, total_steps, optim.warmup_ratio)
-    step = 0
+    step, history, tokens = 0, [], 0
     if state is not None:
+        if "model" in state:
+            draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
+        step, history, tokens = state["step"], state.get("history", []), state.get("tokens", 0)
         torch.set_rng_state(state["torch_rng"])
 
-    history, tokens, start = [], 0, time.perf_counter()
+    def snapshot() -> dict:
+        return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "history": history, "tokens": tokens}
+
+    start, resumed_at = time.perf_counter(), (step, tokens)
     progress = progress_bar(total_steps, desc, "step", initial=step)
     for epoch, batch_samples in _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs):
         batch = pad_batch(batch_samples, device)
@@ -143,15 +155,15 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
             history.append({"step": step, **row})
             if log:
                 log(step, row)
+        if checkpoint and optim.checkpoint_every and step % optim.checkpoint_every == 0 and step < total_steps:
+            checkpoint({**snapshot(), "model": draft.state_dict()})
     progress.close()
     wall = time.perf_counter() - start
     final = (evaluate(draft, eval_samples, lm_head, optim.batch_size, optim.ttt_steps, optim.loss_decay, device)
              if eval_samples else {})
     if log and final:
         log(step, final)
-    new_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "torch_rng": torch.get_rng_state()}
-    return TrainResult(step, tokens, wall, final, history), new_state
+    return TrainResult(step, tokens, wall, final, history, resumed_at), snapshot()
 
 
 def _remaining(samples, batch_size, seed, done_steps, total_steps, epochs) -> Iterator[tuple[int, list]]:

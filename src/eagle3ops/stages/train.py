@@ -12,7 +12,8 @@ from eagle3ops.fs import atomic_dir
 from eagle3ops.metrics import PLOTS_DIR, record
 from eagle3ops.modeling.target import default_aux_layers, load_embedding_and_head, resolve_device
 from eagle3ops.stages.prepare import VOCAB_MAP
-from eagle3ops.tracking import stage_run
+from eagle3ops.resume import resume_point
+from eagle3ops.tracking import params_digest, stage_run
 from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
 
 
@@ -36,13 +37,18 @@ def run(cfg: Config, init: str) -> None:
                                     embedding, vocab["d2t"], vocab["t2d"], cfg.seed)
             train_samples = load_feature_samples(features / "train")
             eval_samples = load_feature_samples(features / "eval")
+        resume = resume_point(f"train@{init}", {"params": params_digest(cfg), "inputs": tracked.input_md5s})
+        resumed = resume.load()
+        if resumed is not None:
+            print(f"train@{init}: resuming at step {resumed['step']} from {resume.path}", flush=True)
         with tracked.phase("train"):
             result, state = train_drafter(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed,
                                           resolve_device(cfg.target.device), log=lambda step, m: tracked.log_metrics(m, step),
-                                          desc=f"train@{init}")
+                                          state=resumed, checkpoint=resume.save, desc=f"train@{init}")
         out_dir = Path(cfg.train.out_dir) / init
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state)
+        resume.clear()
         pd.DataFrame(result.history).to_csv(_plot_path(init), index=False)
         tracked.log_artifact(out_dir, "drafter")
         record(tracked, f"train-{init}", {

@@ -1,0 +1,47 @@
+"""Mid-run state on disk, so a stage killed after an hour of work resumes instead of starting over.
+
+DVC removes a stage's outputs before it runs the stage, so the state lives outside them, under
+`.eagle3ops/resume/`, in a file named by the stage and a hash of everything that determines its result (the
+resolved params and the md5s of its inputs): a later run with other inputs never picks it up. It is written
+through a temporary file and an atomic rename, so a kill leaves the previous state whole, and removed once the
+stage has written its outputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+RESUME_DIR = Path(".eagle3ops") / "resume"
+
+
+class ResumePoint:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> dict | None:
+        return torch.load(self.path, weights_only=True) if self.path.is_file() else None
+
+    def save(self, state: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def resume_point(stage: str, determinants: dict, root: Path = Path(".")) -> ResumePoint:
+    """The resume file of `stage` for these determinants (params digest, input md5s, ...)."""
+    key = hashlib.sha256(json.dumps(determinants, sort_keys=True).encode()).hexdigest()[:16]
+    return ResumePoint(root / RESUME_DIR / f"{stage}-{key}.pt")

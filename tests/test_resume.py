@@ -1,0 +1,91 @@
+"""Training killed with SIGKILL at several points and resumed ends with the weights of an uninterrupted run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3ops.resume import ResumePoint, resume_point
+
+TRAINER = r'''
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from eagle3ops.config import DrafterTrainConfig
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.resume import ResumePoint
+from eagle3ops.training import train_drafter
+
+out, resume_path = Path(sys.argv[1]), sys.argv[2]
+torch.manual_seed(0)
+V, H = 48, 32
+draft = Eagle3Draft(DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                vocab_size=V, draft_vocab_size=V, target_hidden_size=H, aux_layers=[1, 2, 3]))
+draft.d2t.zero_()
+draft.t2d.fill_(True)
+samples = [{"input_ids": torch.randint(0, V, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux_hidden": torch.randn(n, 3 * H), "final_hidden": torch.randn(n, H)} for n in range(8, 40)]
+head = torch.randn(V, H)
+recipe = DrafterTrainConfig(epochs=4, batch_size=4, lr=1e-3, ttt_steps=3, log_every=2, checkpoint_every=3)
+resume = ResumePoint(Path(resume_path)) if resume_path != "-" else None
+result, state = train_drafter(draft, samples, samples[:4], head, recipe, seed=0, device=torch.device("cpu"),
+                              state=resume.load() if resume else None, checkpoint=resume.save if resume else None)
+save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out / "weights.safetensors"))
+(out / "history.json").write_text(json.dumps(result.history))
+'''
+
+
+def train(out: Path, resume: str, env: dict) -> subprocess.Popen:
+    out.mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", TRAINER, str(out), resume], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkilled_training_resumes_to_identical_weights(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = train(tmp_path / "reference", "-", env)
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+
+    resume_file = tmp_path / "resume.pt"
+    kills = []
+    for kill_after_step in (3, 9, 18):  # 32 total steps, a resume point every 3
+        child = train(tmp_path / "resumed", str(resume_file), env)
+        deadline = time.monotonic() + 300
+        while child.poll() is None and time.monotonic() < deadline:
+            state = ResumePoint(resume_file).load() if resume_file.exists() else None
+            if state is not None and state["step"] >= kill_after_step:
+                child.send_signal(signal.SIGKILL)
+                kills.append(state["step"])
+                break
+            time.sleep(0.01)
+        child.wait(timeout=60)
+        assert child.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    final = train(tmp_path / "resumed", str(resume_file), env)
+    assert final.wait(timeout=300) == 0, final.stderr.read()
+
+    assert kills == sorted(kills) and kills[0] >= 3
+    expected = load_file(str(tmp_path / "reference" / "weights.safetensors"))
+    got = load_file(str(tmp_path / "resumed" / "weights.safetensors"))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    assert json.loads((tmp_path / "resumed" / "history.json").read_text()) == \
+        json.loads((tmp_path / "reference" / "history.json").read_text())
+
+
+def test_resume_point_is_keyed_by_what_determines_the_result(tmp_path):
+    a = resume_point("train@scratch", {"params": "abc", "inputs": {"data/features": "1"}}, tmp_path)
+    b = resume_point("train@scratch", {"params": "abc", "inputs": {"data/features": "2"}}, tmp_path)
+    assert a.path != b.path
+    a.save({"step": 3})
+    assert a.load() == {"step": 3} and b.load() is None
+    assert not list(tmp_path.rglob("*.tmp"))  # written through a temporary file, renamed into place
+    a.clear()
+    assert a.load() is None
