@@ -89,3 +89,64 @@ def test_resume_point_is_keyed_by_what_determines_the_result(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))  # written through a temporary file, renamed into place
     a.clear()
     assert a.load() is None
+
+
+def _extract_workspace(root: Path, target: Path) -> dict:
+    """A prepared dataset for the tiny target and a params file that extracts it in small shards."""
+    from omegaconf import OmegaConf
+
+    from eagle3ops.data.prepare import write_tokenized
+
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 240), ("eval", 16)):
+        samples = [{"id": f"{split}-{i}", "input_ids": torch.randint(0, 200, (int(n),), generator=generator).tolist(),
+                    "loss_mask": [1] * int(n)}
+                   for i, n in enumerate(torch.randint(40, 250, (count,), generator=generator))]
+        write_tokenized(samples, root / "data" / "prepared" / split, {"split": split})
+    OmegaConf.save({"target": {"path": str(target)}, "extract": {"batch_size": 4, "samples_per_shard": 8},
+                    "mlflow": {"system_metrics": False, "registered_model": None}}, root / "params.yaml")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+
+
+def _extract(root: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _manifests(root: Path) -> dict:
+    return {split: json.loads((root / "data" / "features" / split / "manifest.json").read_text())
+            for split in ("train", "eval")}
+
+
+def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_dir):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    env_ref = _extract_workspace(reference, tiny_target_dir)
+    env = _extract_workspace(resumed, tiny_target_dir)
+    uninterrupted = _extract(reference, env_ref)
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
+
+    kills = []
+    for kill_after_shards in (2, 9, 20):  # of 30 train shards
+        child = _extract(resumed, env)
+        deadline = time.monotonic() + 300
+        while child.poll() is None and time.monotonic() < deadline:
+            progress = list(resumed.glob(".eagle3ops/resume/extract-*/.train.partial/progress.json"))
+            try:
+                done = len(json.loads(progress[0].read_text())["shards"]) if progress else 0
+            except (OSError, ValueError):  # replaced between listing and reading
+                done = 0
+            if done >= kill_after_shards:
+                child.send_signal(signal.SIGKILL)
+                kills.append(done)
+                break
+            time.sleep(0.005)
+        child.wait(timeout=60)
+        assert child.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
+    assert not (resumed / "data" / "features").exists()  # nothing half-written where DVC looks
+    final = _extract(resumed, env)
+    assert final.wait(timeout=300) == 0, final.stderr.read()
+
+    assert kills == sorted(kills)
+    expected, got = _manifests(reference), _manifests(resumed)
+    assert got == expected  # every shard's sha256, sample and token count
+    assert not list(resumed.glob(".eagle3ops/resume/extract-*"))  # the work directory became the output

@@ -6,6 +6,7 @@ it with the target's lm_head, so no [T, V] logits are stored).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,20 +33,24 @@ class ExtractResult:
 @torch.no_grad()
 def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir: str | Path, batch_size: int,
                      samples_per_shard: int, dtype: str = "float32", meta: dict | None = None,
-                     desc: str = "extract") -> ExtractResult:
+                     desc: str = "extract", resumable: bool = False) -> ExtractResult:
     """Batches are length-sorted (less padding) and right-padded with an attention mask; each sample keeps only
     its own positions, so batch composition cannot leak into the stored states. Shards hold the samples in
-    that (deterministic) length order, each under its id."""
+    that (deterministic) length order, each under its id, and whole batches only (samples_per_shard is rounded
+    up to a multiple of batch_size): a run resumed after its last complete shard (`resumable`) forms the very
+    same batches, so its shards are byte for byte those of an uninterrupted run."""
     device = model.device
     store_dtype = DTYPES[dtype]
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
-    writer = ShardWriter(Path(out_dir), samples_per_shard, meta={**(meta or {}), "aux_layers": aux_layers,
-                                                                   "hidden_size": model.config.hidden_size,
-                                                                   "dtype": dtype})
+    samples_per_shard = math.ceil(samples_per_shard / batch_size) * batch_size
+    writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable,
+                         meta={**(meta or {}), "aux_layers": aux_layers, "hidden_size": model.config.hidden_size,
+                               "dtype": dtype})
+    done = writer.samples_done
     start, tokens = time.perf_counter(), 0
     try:
-        with capture(model, aux_layers) as hooks, progress(len(samples), desc, "sample") as bar:
-            for first in range(0, len(order), batch_size):
+        with capture(model, aux_layers) as hooks, progress(len(samples), desc, "sample", initial=done) as bar:
+            for first in range(done, len(order), batch_size):
                 rows = order[first : first + batch_size]
                 lengths = [len(samples[i]["input_ids"]) for i in rows]
                 ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
@@ -65,7 +70,8 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                 bar.update(len(rows))
         manifest = writer.close()
     except BaseException:
-        writer.abort()
+        if not resumable:
+            writer.abort()
         raise
     return ExtractResult(len(samples), tokens, time.perf_counter() - start, manifest)
 

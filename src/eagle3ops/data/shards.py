@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3ops.errors import InputError
+from eagle3ops.fs import write_json_atomic
 
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
 
 
 def sha256_file(path: Path) -> str:
@@ -36,19 +39,42 @@ def sha256_file(path: Path) -> str:
 
 @dataclass
 class ShardWriter:
-    """Collects samples ({name: tensor [T, ...]}) and writes a shard every `samples_per_shard` samples."""
+    """Collects samples ({name: tensor [T, ...]}) and writes a shard every `samples_per_shard` samples.
+
+    With `resumable`, the partial directory survives a crash: each shard is renamed into it only once complete,
+    and `progress.json` lists the complete ones (their sha256 checked on resume), so a new writer continues
+    after the last complete shard; `samples_done` says how many samples that covers.
+    """
     out_dir: Path
     samples_per_shard: int
     meta: dict = field(default_factory=dict)
+    resumable: bool = False
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         self._tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial")
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._tmp.mkdir(parents=True)
         self._pending: list[dict[str, torch.Tensor]] = []
         self._ids: list[str] = []
-        self._shards: list[dict] = []
+        self._shards: list[dict] = self._resume() if self.resumable else []
+        if not self._shards:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp.mkdir(parents=True)
+
+    def _resume(self) -> list[dict]:
+        progress = self._tmp / PROGRESS
+        if not progress.is_file():
+            return []
+        state = json.loads(progress.read_text())
+        if state["meta"] != self.meta or state["samples_per_shard"] != self.samples_per_shard:
+            return []
+        shards = state["shards"]
+        if any(sha256_file(self._tmp / s["file"]) != s["sha256"] for s in shards):
+            return []  # a damaged partial directory: start over rather than trust it
+        return shards
+
+    @property
+    def samples_done(self) -> int:
+        return sum(s["samples"] for s in self._shards)
 
     def add(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
         self._pending.append(tensors)
@@ -63,16 +89,22 @@ class ShardWriter:
         packed = {name: torch.cat([s[name] for s in self._pending]).contiguous() for name in self._pending[0]}
         packed["offsets"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
         name = f"shard-{len(self._shards):05d}.safetensors"
-        save_file(packed, str(self._tmp / name), metadata={"sample_ids": json.dumps(self._ids)})
+        incomplete = self._tmp / f".{name}.tmp"
+        save_file(packed, str(incomplete), metadata={"sample_ids": json.dumps(self._ids)})
+        os.replace(incomplete, self._tmp / name)
         self._shards.append({"file": name, "sha256": sha256_file(self._tmp / name),
                              "samples": len(lengths), "tokens": int(sum(lengths))})
         self._pending, self._ids = [], []
+        if self.resumable:
+            write_json_atomic(self._tmp / PROGRESS, {"meta": self.meta, "samples_per_shard": self.samples_per_shard,
+                                                     "shards": self._shards})
 
     def close(self) -> dict:
         """Write the last shard and the manifest, then move the directory into place."""
         self._flush()
         manifest = {**self.meta, "samples": sum(s["samples"] for s in self._shards),
                     "tokens": sum(s["tokens"] for s in self._shards), "shards": self._shards}
+        (self._tmp / PROGRESS).unlink(missing_ok=True)
         (self._tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         shutil.rmtree(self.out_dir, ignore_errors=True)
         self._tmp.rename(self.out_dir)

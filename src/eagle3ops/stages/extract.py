@@ -1,13 +1,22 @@
-"""Stage `extract`: run the target over the prepared samples and store the drafter's inputs in shards."""
+"""Stage `extract`: run the target over the prepared samples and store the drafter's inputs in shards.
+
+Resumable: shards are built under `.eagle3ops/resume/` (keyed by params and input md5s, see resume.py); a run
+killed midway keeps its complete shards and the next run continues after them. The finished directory is
+moved to `extract.out_dir` only at the end.
+"""
+import shutil
 from pathlib import Path
 
 from eagle3ops.config import Config
 from eagle3ops.data.prepare import read_tokenized
+from eagle3ops.data.shards import MANIFEST, read_manifest
 from eagle3ops.extraction import extract_features
-from eagle3ops.fs import atomic_dir
 from eagle3ops.metrics import record
 from eagle3ops.modeling.target import load_target, model_size, resolve_aux_layers
-from eagle3ops.tracking import stage_run
+from eagle3ops.resume import resume_point
+from eagle3ops.tracking import params_digest, stage_run
+
+SPLITS = ("train", "eval")
 
 
 def run(cfg: Config) -> None:
@@ -16,16 +25,23 @@ def run(cfg: Config) -> None:
         with tracked.phase("load"):
             model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device)
         aux_layers = resolve_aux_layers(cfg.target.aux_layers, model.config.num_hidden_layers)
-        totals = {"samples": 0, "tokens": 0, "seconds": 0.0}
-        with tracked.phase("extract"), atomic_dir(cfg.extract.out_dir) as out:
-            for split in ("train", "eval"):
-                result = extract_features(model, read_tokenized(prepared / split), aux_layers, out / split,
+        work = resume_point("extract", {"params": params_digest(cfg), "inputs": tracked.input_md5s}).path.with_suffix("")
+        samples, tokens, seconds = 0, 0, 0.0  # tokens and seconds: the work this run did
+        with tracked.phase("extract"):
+            for split in SPLITS:
+                if (work / split / MANIFEST).is_file():  # finished before an interruption
+                    samples += read_manifest(work / split)["samples"]
+                    continue
+                result = extract_features(model, read_tokenized(prepared / split), aux_layers, work / split,
                                           cfg.extract.batch_size, cfg.extract.samples_per_shard, cfg.extract.dtype,
-                                          meta={"target": cfg.target.path, "split": split}, desc=f"extract {split}")
-                totals["samples"] += result.samples
-                totals["tokens"] += result.tokens
-                totals["seconds"] += result.wall_s
-        size = sum(f.stat().st_size for f in Path(cfg.extract.out_dir).rglob("*") if f.is_file())
-        record(tracked, "extract", {**model_size(model), "samples": totals["samples"], "tokens": totals["tokens"],
-                                    "tokens_per_s": round(totals["tokens"] / totals["seconds"], 1),
-                                    "bytes": size, "aux_layers": aux_layers})
+                                          meta={"target": cfg.target.path, "split": split}, desc=f"extract {split}",
+                                          resumable=True)
+                samples, tokens, seconds = samples + result.samples, tokens + result.tokens, seconds + result.wall_s
+        out = Path(cfg.extract.out_dir)
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work.rename(out)
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        record(tracked, "extract", {**model_size(model), "samples": samples, "bytes": size, "aux_layers": aux_layers,
+                                    "tokens": sum(read_manifest(out / split)["tokens"] for split in SPLITS),
+                                    "tokens_per_s": round(tokens / seconds, 1) if seconds else None})
