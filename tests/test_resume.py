@@ -150,3 +150,45 @@ def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_
     expected, got = _manifests(reference), _manifests(resumed)
     assert got == expected  # every shard's sha256, sample and token count
     assert not list(resumed.glob(".eagle3ops/resume/extract-*"))  # the work directory became the output
+
+
+def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_target_dir):
+    from omegaconf import OmegaConf
+
+    def workspace(root: Path) -> dict:
+        root.mkdir()
+        lines = [json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 5)},
+                                                          {"role": "assistant", "content": "old answer"}]})
+                 for i in range(48)]
+        (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
+        OmegaConf.save({"target": {"path": str(tiny_target_dir)}, "data": {"conversations": "chats.jsonl"},
+                        "generate": {"batch_size": 4, "chunk_size": 4, "max_new_tokens": 48},
+                        "mlflow": {"system_metrics": False, "registered_model": None}}, root / "params.yaml")
+        return {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+
+    def generate(root: Path, env: dict) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "generate"], cwd=root, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    uninterrupted = generate(reference, workspace(reference))
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
+    env = workspace(resumed)
+    for kill_after_chunks in (1, 4, 8):  # of 12
+        child = generate(resumed, env)
+        deadline = time.monotonic() + 300
+        while child.poll() is None and time.monotonic() < deadline:
+            if len(list(resumed.glob(".eagle3ops/resume/generate-*/chunk-*.jsonl"))) >= kill_after_chunks:
+                child.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        child.wait(timeout=60)
+        assert child.returncode == -signal.SIGKILL, "generation finished before it could be killed"
+    assert not (resumed / "data" / "generated").exists()
+    final = generate(resumed, env)
+    assert final.wait(timeout=300) == 0, final.stderr.read()
+    out = "data/generated/conversations.jsonl"
+    assert (resumed / out).read_bytes() == (reference / out).read_bytes()
+    metrics = json.loads((resumed / "metrics" / "generate.json").read_text())
+    assert metrics["turns"] == 48 and metrics["new_tokens"] == json.loads(
+        (reference / "metrics" / "generate.json").read_text())["new_tokens"]

@@ -117,6 +117,7 @@ class GenerateConfig:
     backend: str = "hf"  # hf | none
     out: str = "data/generated/conversations.jsonl"
     batch_size: int = 32
+    chunk_size: int = 256  # conversations per resumable chunk
     max_new_tokens: int = 160
     temperature: float = 0.0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,21 +25,18 @@ class GenerateStats:
     unfinished: int = 0  # hit max_new_tokens before the end-of-turn token
     wall_s: float = 0.0
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s else 0.0
-
 
 @torch.no_grad()
 def regenerate(model, tokenizer, conversations: list[dict], batch_size: int, max_new_tokens: int,
-               temperature: float, seed: int) -> tuple[list[dict], GenerateStats]:
+               temperature: float, seed: int, bar=None) -> tuple[list[dict], GenerateStats]:
+    """Regenerate every assistant turn of `conversations`; `bar` (a progress bar counting turns) is optional."""
     torch.manual_seed(seed)
     stats = GenerateStats(conversations=len(conversations))
     out = [copy.deepcopy(c) for c in conversations]
     turns = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in out]
     eos = tokenizer.eos_token_id
     start = time.perf_counter()
-    with progress(sum(map(len, turns)), "generate", "turn") as bar:
+    with nullcontext(bar) if bar is not None else progress(sum(map(len, turns)), "generate", "turn") as bar:
         for depth in range(max(map(len, turns), default=0)):
             todo = [(c, turns[c][depth]) for c in range(len(out)) if depth < len(turns[c])]
             prompts = {(c, t): prompt_ids(tokenizer, out[c]["messages"][:t]) for c, t in todo}
