@@ -226,3 +226,120 @@ def test_warm_start_directory_without_weights(tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_into(draft(), tmp_path / "ckpt")
+
+
+# ------------------------------------------------------------------------------------------- more bad input
+
+def prepared_workdir(workdir: Path, capsys, tiny_target_dir: Path, extra: dict | None = None) -> Path:
+    """A workdir whose prepare stage has run on a few good conversations."""
+    write_jsonl(workdir / CONVERSATIONS, [conversation(i) for i in range(12)])
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir)}, "data": {"draft_vocab_size": 32},
+                                    "mlflow": {"system_metrics": False, "registered_model": None}, **(extra or {})})
+    assert run_cli("prepare", params, capsys)[0] == 0
+    return params
+
+
+def test_repeated_layer_ids(workdir, capsys, tiny_target_dir):
+    prepared_workdir(workdir, capsys, tiny_target_dir)
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir), "aux_layers": [1, 2, 2]}})
+    rc, err = run_cli("extract", params, capsys)
+    assert rc == 1 and "target.aux_layers" in err and "repeats" in err
+    assert not (workdir / "data" / "features").exists()
+
+
+def test_non_utf8_bytes_name_the_line(workdir, capsys, tiny_target_dir):
+    path = workdir / CONVERSATIONS
+    write_jsonl(path, [conversation(0), conversation(1)])
+    with path.open("ab") as handle:
+        handle.write(b'{"id": "c2", "messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir)}})
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 1 and f"{CONVERSATIONS}:3: not UTF-8" in err and "0xe9" in err
+    assert not (workdir / "data" / "prepared").exists()
+
+
+def test_ten_megabyte_line_is_truncated_and_counted(workdir, capsys, tiny_target_dir):
+    huge = conversation(0, assistant="word " * 2_000_000)  # a 10 MB line
+    write_jsonl(workdir / CONVERSATIONS, [huge, conversation(1), conversation(2)])
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir)}, "data": {"draft_vocab_size": 32},
+                                    "mlflow": {"system_metrics": False, "registered_model": None}})
+    assert run_cli("prepare", params, capsys)[0] == 0
+    metrics = json.loads((workdir / "metrics" / "prepare.json").read_text())
+    assert metrics["truncated"] == 1 and metrics["kept"] == 3
+
+
+def test_tokenizer_that_does_not_belong_to_the_target(workdir, capsys, tiny_target_dir):
+    target = workdir / "target"
+    shutil.copytree(tiny_target_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["vocab_size"] = 100  # smaller than the tokenizer
+    (target / "config.json").write_text(json.dumps(config))
+    write_jsonl(workdir / CONVERSATIONS, [conversation(0)])
+    params = write_params(workdir, {"target": {"path": str(target)}})
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 1 and "vocab_size is 100" in err and str(target) in err
+
+
+def test_nan_hidden_states_are_skipped_then_fatal(workdir, capsys, tiny_target_dir):
+    """A poisoned embedding row gives NaN states to the samples that use that token."""
+    target = workdir / "target"
+    shutil.copytree(tiny_target_dir, target)
+    weights = load_file(str(target / "model.safetensors"))
+    from transformers import AutoTokenizer
+
+    poisoned = AutoTokenizer.from_pretrained(str(target)).convert_tokens_to_ids("<|im_system|>")
+    weights["model.embed_tokens.weight"][poisoned] = float("nan")
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    system = {"role": "system", "content": "Be brief."}
+    chats = [conversation(i) for i in range(10)]
+    chats[3]["messages"].insert(0, system)
+    write_jsonl(workdir / CONVERSATIONS, chats)
+    base = {"target": {"path": str(target), "aux_layers": [1, 2, 3]}, "data": {"draft_vocab_size": 32, "eval_fraction": 0.0},
+            "mlflow": {"system_metrics": False, "registered_model": None}}
+    params = write_params(workdir, {**base, "extract": {"max_nonfinite_fraction": 0.2}})
+    assert run_cli("prepare", params, capsys)[0] == 0
+    rc, err = run_cli("extract", params, capsys)
+    assert rc == 0, err
+    metrics = json.loads((workdir / "metrics" / "extract.json").read_text())
+    assert metrics["skipped_nonfinite"] == 1 and metrics["samples"] == 9
+
+    shutil.rmtree(workdir / "data" / "features")
+    params = write_params(workdir, {**base, "extract": {"max_nonfinite_fraction": 0.0}})
+    rc, err = run_cli("extract", params, capsys)
+    assert rc == 1 and "NaN/inf" in err and "c3" in err and "max_nonfinite_fraction" in err
+    assert not (workdir / "data" / "features").exists()
+
+
+def test_truncated_drafter_weights(tmp_path):
+    save_drafter(draft(), tmp_path / "d")
+    weights = tmp_path / "d" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_into(draft(), tmp_path / "d")
+
+
+def test_pickle_with_code_is_never_run(tmp_path, capsys):
+    """A resume file that would run code when unpickled is ignored, and its code never runs."""
+    import os
+    import pickle
+
+    from eagle3ops.resume import ResumePoint
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "state.pt"
+    path.write_bytes(pickle.dumps(Exploit()))
+    assert ResumePoint(path).load() is None
+    assert not marker.exists()
+    assert "ignoring unreadable resume state" in capsys.readouterr().out
+
+
+def test_credentials_stay_out_of_mlflow_params():
+    from eagle3ops.tracking import scrub
+
+    assert scrub("postgresql://eagle:s3cret@db.local:5432/mlflow") == "postgresql://eagle:***@db.local:5432/mlflow"
+    assert scrub("sqlite:////srv/mlflow.db") == "sqlite:////srv/mlflow.db"

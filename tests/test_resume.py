@@ -103,7 +103,8 @@ def _extract_workspace(root: Path, target: Path) -> dict:
                     "loss_mask": [1] * int(n)}
                    for i, n in enumerate(torch.randint(40, 250, (count,), generator=generator))]
         write_tokenized(samples, root / "data" / "prepared" / split, {"split": split})
-    OmegaConf.save({"target": {"path": str(target)}, "extract": {"batch_size": 4, "samples_per_shard": 8},
+    OmegaConf.save({"target": {"path": str(target), "aux_layers": [1, 2, 3]},
+                    "extract": {"batch_size": 4, "samples_per_shard": 8},
                     "mlflow": {"system_metrics": False, "registered_model": None}}, root / "params.yaml")
     return {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
 

@@ -101,6 +101,7 @@ class TargetConfig:
     aux_layers: Optional[list[int]] = None
     dtype: str = "float32"
     device: str = "auto"
+    trust_remote_code: bool = False  # run the model repository's own Python code; only for sources you trust
 
 
 @dataclass
@@ -133,6 +134,7 @@ class ExtractConfig:
     batch_size: int = 16
     samples_per_shard: int = 512
     dtype: str = "float32"
+    max_nonfinite_fraction: float = 0.01  # samples with NaN/inf states are skipped; above this share, fail
 
 
 @dataclass

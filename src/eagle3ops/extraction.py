@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from eagle3ops.data.shards import ShardWriter
+from eagle3ops.errors import InputError
 from eagle3ops.progress import progress
 from eagle3ops.modeling.target import DTYPES, capture
 
@@ -24,6 +25,7 @@ class ExtractResult:
     tokens: int
     wall_s: float
     manifest: dict
+    nonfinite: list[str]  # ids of samples skipped for NaN/inf hidden states
 
     @property
     def tokens_per_s(self) -> float:
@@ -33,7 +35,7 @@ class ExtractResult:
 @torch.no_grad()
 def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir: str | Path, batch_size: int,
                      samples_per_shard: int, dtype: str = "float32", meta: dict | None = None,
-                     desc: str = "extract", resumable: bool = False) -> ExtractResult:
+                     desc: str = "extract", resumable: bool = False, max_nonfinite_fraction: float = 0.01) -> ExtractResult:
     """Batches are length-sorted (less padding) and right-padded with an attention mask; each sample keeps only
     its own positions, so batch composition cannot leak into the stored states. Shards hold the samples in
     that (deterministic) length order, each under its id, and whole batches only (samples_per_shard is rounded
@@ -47,7 +49,8 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                          meta={**(meta or {}), "aux_layers": aux_layers, "hidden_size": model.config.hidden_size,
                                "dtype": dtype})
     done = writer.samples_done
-    start, tokens = time.perf_counter(), 0
+    start, tokens, nonfinite = time.perf_counter(), 0, []
+    allowed = int(max_nonfinite_fraction * len(samples))
     try:
         with capture(model, aux_layers) as hooks, progress(len(samples), desc, "sample", initial=done) as bar:
             for first in range(done, len(order), batch_size):
@@ -62,6 +65,14 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                 aux, final = hooks.aux().to(store_dtype).cpu(), hooks.final().to(store_dtype).cpu()
                 for r, i in enumerate(rows):
                     n = lengths[r]
+                    if not (torch.isfinite(aux[r, :n]).all() and torch.isfinite(final[r, :n]).all()):
+                        nonfinite.append(samples[i]["id"])  # poison for training: skip and count
+                        if len(nonfinite) > allowed:
+                            raise NonFiniteError(
+                                f"{len(nonfinite)} of {len(samples)} samples gave NaN/inf hidden states (first: "
+                                f"{nonfinite[:5]}), more than extract.max_nonfinite_fraction={max_nonfinite_fraction}"
+                                f"; check target.dtype (float16 overflows) and the weights")
+                        continue
                     writer.add(samples[i]["id"], {
                         "input_ids": ids[r, :n].to(torch.int32),
                         "loss_mask": torch.tensor(samples[i]["loss_mask"], dtype=torch.uint8),
@@ -73,5 +84,9 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
         if not resumable:
             writer.abort()
         raise
-    return ExtractResult(len(samples), tokens, time.perf_counter() - start, manifest)
+    return ExtractResult(manifest["samples"], tokens, time.perf_counter() - start, manifest, nonfinite)
+
+
+class NonFiniteError(InputError):
+    """Too many samples with NaN/inf hidden states."""
 

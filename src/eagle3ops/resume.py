@@ -24,7 +24,15 @@ class ResumePoint:
         self.path = path
 
     def load(self) -> dict | None:
-        return torch.load(self.path, weights_only=True) if self.path.is_file() else None
+        """The saved state; None when there is none or it is unreadable (then the stage starts over). Loaded
+        with weights_only: a file that needs unpickling code is never executed."""
+        if not self.path.is_file():
+            return None
+        try:
+            return torch.load(self.path, weights_only=True)
+        except Exception as err:
+            print(f"ignoring unreadable resume state {self.path} ({type(err).__name__}); starting over", flush=True)
+            return None
 
     def save(self, state: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,11 @@ def params_digest(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def scrub(text: str) -> str:
+    """Hide the password of a URI (postgresql://user:secret@host -> postgresql://user:***@host)."""
+    return re.sub(r"(?<=://)([^/:@\s]+):[^@/\s]+@", r"\1:***@", text)
+
+
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     flat: dict[str, str] = {}
     for key, value in tree.items():
@@ -80,7 +85,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             flat.update(_flatten(value, f"{name}."))
         else:
             text = json.dumps(value) if isinstance(value, list) else str(value)
-            flat[name] = text[:MAX_PARAM_CHARS]
+            flat[name] = scrub(text)[:MAX_PARAM_CHARS]
     return flat
 
 

@@ -25,8 +25,12 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: file not found")
-    with path.open(encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for lineno, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})") from None
             if not line.strip():
                 continue
             try:

@@ -98,8 +98,11 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS}")
-    with safe_open(str(path), framework="pt") as handle:
-        return {name: handle.get_tensor(name) for name in handle.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def load_into(draft: Eagle3Draft, directory: str | Path) -> None:
@@ -126,7 +129,3 @@ def load_drafter(directory: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
     draft.embed_tokens.weight.data.copy_(embedding)
     return draft
 
-
-def load_training_state(directory: str | Path) -> dict | None:
-    path = Path(directory) / TRAINING_STATE
-    return torch.load(path, weights_only=True) if path.is_file() else None

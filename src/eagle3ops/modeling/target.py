@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from eagle3ops.config import TargetConfig
 from eagle3ops.errors import InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,16 +39,30 @@ def check_model_dir(path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path):
-    tokenizer = AutoTokenizer.from_pretrained(str(check_model_dir(path)))
+def text_config(path: str | Path) -> dict:
+    """The language model's settings from config.json (under `text_config` for multimodal wrappers)."""
+    config = json.loads((check_model_dir(path) / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def load_tokenizer(target: TargetConfig):
+    """The target's tokenizer; it must have a chat template and no ids beyond the target's embedding."""
+    tokenizer = AutoTokenizer.from_pretrained(str(check_model_dir(target.path)),
+                                              trust_remote_code=target.trust_remote_code)
     if not tokenizer.chat_template:
-        raise TargetError(f"{path}: the tokenizer has no chat template")
+        raise TargetError(f"{target.path}: the tokenizer has no chat template")
+    vocab_size = text_config(target.path).get("vocab_size")
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise TargetError(f"{target.path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{vocab_size}; they do not belong together")
     return tokenizer
 
 
-def load_target(path: str | Path, dtype: str = "float32", device: str = "auto") -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=DTYPES[dtype])
-    return model.to(resolve_device(device)).eval().requires_grad_(False)
+def load_target(target: TargetConfig) -> PreTrainedModel:
+    """`from_pretrained` with no remote code unless target.trust_remote_code says so."""
+    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(target.path)), dtype=DTYPES[target.dtype],
+                                                 trust_remote_code=target.trust_remote_code)
+    return model.to(resolve_device(target.device)).eval().requires_grad_(False)
 
 
 def model_size(model: nn.Module) -> dict[str, int]:
@@ -77,6 +92,9 @@ def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[in
     if bad:
         raise TargetError(f"target.aux_layers: {bad} out of range; the target has {num_layers} decoder layers, "
                           f"so hidden-state indices run 0..{num_layers - 1}")
+    if len(set(ids)) != len(ids):
+        raise TargetError(f"target.aux_layers: {ids} repeats a layer; EAGLE-3 fuses three different layers"
+                          + (" (the default [2, N//2, N-3] needs N >= 8)" if aux_layers is None else ""))
     return ids
 
 

@@ -37,8 +37,8 @@ def run(cfg: Config, drafter: str) -> None:
     path = drafter_path(cfg, drafter)
     with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, cfg.data.eval_prompts]) as tracked:
         with tracked.phase("load"):
-            tokenizer = load_tokenizer(cfg.target.path)
-            target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device)
+            tokenizer = load_tokenizer(cfg.target)
+            target = load_target(cfg.target)
             draft = load_drafter(path, target.get_input_embeddings().weight.detach().cpu()).to(target.device).eval()
             draft.cfg.aux_layers = draft.cfg.aux_layers or default_aux_layers(target.config.num_hidden_layers)
             prompts = load_prompts(cfg.data.eval_prompts, cfg.eval.max_prompts)

@@ -23,10 +23,10 @@ def run(cfg: Config) -> None:
     prepared = Path(cfg.prepare.out_dir)
     with stage_run(cfg, "extract", inputs=[prepared, cfg.target.path]) as tracked:
         with tracked.phase("load"):
-            model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device)
+            model = load_target(cfg.target)
         aux_layers = resolve_aux_layers(cfg.target.aux_layers, model.config.num_hidden_layers)
         work = resume_point("extract", {"params": params_digest(cfg), "inputs": tracked.input_md5s}).path.with_suffix("")
-        samples, tokens, seconds = 0, 0, 0.0  # tokens and seconds: the work this run did
+        samples, tokens, seconds, skipped = 0, 0, 0.0, 0  # tokens and seconds: the work this run did
         with tracked.phase("extract"):
             for split in SPLITS:
                 if (work / split / MANIFEST).is_file():  # finished before an interruption
@@ -35,13 +35,15 @@ def run(cfg: Config) -> None:
                 result = extract_features(model, read_tokenized(prepared / split), aux_layers, work / split,
                                           cfg.extract.batch_size, cfg.extract.samples_per_shard, cfg.extract.dtype,
                                           meta={"target": cfg.target.path, "split": split}, desc=f"extract {split}",
-                                          resumable=True)
+                                          resumable=True, max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction)
                 samples, tokens, seconds = samples + result.samples, tokens + result.tokens, seconds + result.wall_s
+                skipped += len(result.nonfinite)
         out = Path(cfg.extract.out_dir)
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         work.rename(out)
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         record(tracked, "extract", {**model_size(model), "samples": samples, "bytes": size, "aux_layers": aux_layers,
+                                    "skipped_nonfinite": skipped,
                                     "tokens": sum(read_manifest(out / split)["tokens"] for split in SPLITS),
                                     "tokens_per_s": round(tokens / seconds, 1) if seconds else None})

@@ -26,8 +26,7 @@ def run(cfg: Config) -> None:
         metrics: dict = {"backend": backend, "conversations": len(conversations)}
         if backend == "hf":
             with tracked.phase("load"):
-                tokenizer, model = load_tokenizer(cfg.target.path), load_target(cfg.target.path, cfg.target.dtype,
-                                                                                 cfg.target.device)
+                tokenizer, model = load_tokenizer(cfg.target), load_target(cfg.target)
             work = resume_point("generate", {"params": params_digest(cfg), "inputs": tracked.input_md5s}).path.with_suffix("")
             work.mkdir(parents=True, exist_ok=True)
             chunks = [conversations[i : i + gen.chunk_size] for i in range(0, len(conversations), gen.chunk_size)]

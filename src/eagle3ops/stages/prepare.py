@@ -18,7 +18,7 @@ VOCAB_MAP = "vocab_map.safetensors"
 def run(cfg: Config) -> None:
     source = cfg.generate.out
     with stage_run(cfg, "prepare", inputs=[source, cfg.target.path]) as tracked:
-        tokenizer = load_tokenizer(cfg.target.path)
+        tokenizer = load_tokenizer(cfg.target)
         with tracked.phase("tokenize"):
             samples, stats = tokenize_dataset(tokenizer, load_conversations(source), cfg.data.max_len, source)
             train, held_out = split(samples, cfg.data.eval_fraction)

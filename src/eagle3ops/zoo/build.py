@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ops.config import Config
+from eagle3ops.config import Config, TargetConfig
 from eagle3ops.data.chat import render
 from eagle3ops.data.conversations import normalise
 from eagle3ops.data.prepare import tokenize_dataset
@@ -104,7 +104,7 @@ def build_zoo(cfg: Config, run) -> dict[str, float]:
 def _predecessor_drafter(cfg: Config, tokenizer, chats: list[dict], work: Path) -> dict[str, float]:
     """The predecessor's drafter, made the way a user makes one: tokenize, capture, train, save."""
     zoo = cfg.zoo
-    target = load_target(work / "predecessor", "float32", "auto")
+    target = load_target(TargetConfig(path=str(work / "predecessor")))
     samples, _ = tokenize_dataset(tokenizer, chats, zoo.max_len, "predecessor drafter data")
     aux_layers = default_aux_layers(target.config.num_hidden_layers)
     features_dir = work / "predecessor-features"
