@@ -193,3 +193,29 @@ def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_
     metrics = json.loads((resumed / "metrics" / "generate.json").read_text())
     assert metrics["turns"] == 48 and metrics["new_tokens"] == json.loads(
         (reference / "metrics" / "generate.json").read_text())["new_tokens"]
+
+
+def test_disk_full_during_extraction_then_resume(tmp_path, tiny_target_dir):
+    """Shards go to a 1 MiB tmpfs: a clear error, no partial shard left, and after making room the run resumes."""
+    root = tmp_path / "work"
+    env = _extract_workspace(root, tiny_target_dir)
+    store = root / ".eagle3ops"
+    store.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(store)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a size-limited tmpfs")
+    try:
+        full = subprocess.run([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert full.returncode == 1
+        assert "disk full writing shard-" in full.stderr and "run again to resume" in full.stderr
+        assert not list(store.rglob("*.tmp"))  # the shard being written was removed
+        kept = json.loads(next(store.glob("resume/extract-*/.train.partial/progress.json")).read_text())["shards"]
+        assert kept and not (root / "data" / "features").exists()
+        subprocess.run(["mount", "-o", "remount,size=256m", str(store)], check=True)
+        resumed = subprocess.run([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
+                                 capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        manifest = json.loads((root / "data" / "features" / "train" / "manifest.json").read_text())
+        assert manifest["shards"][: len(kept)] == kept and manifest["samples"] == 240
+    finally:
+        subprocess.run(["umount", "-l", str(store)], capture_output=True)

@@ -11,6 +11,7 @@ directory that looks complete.
 from __future__ import annotations
 
 import hashlib
+import errno
 import json
 import os
 import shutil
@@ -20,13 +21,17 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from eagle3ops.errors import InputError
 from eagle3ops.fs import write_json_atomic
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
+
+
+class DiskFullError(InputError):
+    """No space left for a shard; what was complete is kept for a resumed run."""
 
 
 def sha256_file(path: Path) -> str:
@@ -90,7 +95,20 @@ class ShardWriter:
         packed["offsets"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
         name = f"shard-{len(self._shards):05d}.safetensors"
         incomplete = self._tmp / f".{name}.tmp"
-        save_file(packed, str(incomplete), metadata={"sample_ids": json.dumps(self._ids)})
+        data = save(packed, metadata={"sample_ids": json.dumps(self._ids)})
+        try:
+            with incomplete.open("wb") as out:  # written by us, so a full disk surfaces as ENOSPC
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as err:
+            incomplete.unlink(missing_ok=True)
+            if err.errno != errno.ENOSPC:
+                raise
+            free = shutil.disk_usage(self._tmp).free / 2**20
+            raise DiskFullError(f"{self._tmp}: disk full writing {name} ({free:.0f} MiB free); the "
+                                f"{len(self._shards)} complete shards are kept: free space and run again to resume"
+                                ) from None
         os.replace(incomplete, self._tmp / name)
         self._shards.append({"file": name, "sha256": sha256_file(self._tmp / name),
                              "samples": len(lengths), "tokens": int(sum(lengths))})

@@ -41,7 +41,7 @@ def run(cfg: Config) -> None:
         out = Path(cfg.extract.out_dir)
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        work.rename(out)
+        shutil.move(str(work), str(out))  # a rename, or a copy when the resume area is on another disk
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         record(tracked, "extract", {**model_size(model), "samples": samples, "bytes": size, "aux_layers": aux_layers,
                                     "skipped_nonfinite": skipped,
