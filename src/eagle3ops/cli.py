@@ -37,6 +37,12 @@ def parser() -> argparse.ArgumentParser:
         if name == "eval":
             sub.add_argument("--drafter", choices=EVAL_DRAFTERS, required=True,
                              help="baseline = train.warm_start used as-is; scratch / warm_start = our trained drafters")
+    sync = commands.add_parser(
+        "sync", help="upload the runs recorded while the MLflow server was unreachable (.eagle3ops/outbox/)",
+        description="Stages never stop for a tracking server that is down: what they could not log is kept under "
+                    ".eagle3ops/outbox/. This uploads it, into the runs the stages had started or into new ones.")
+    sync.add_argument("--params", default="params.yaml", help="where the tracking settings come from")
+    sync.add_argument("--tracking-uri", help="MLflow server (default: as the stages resolve it from --params)")
     reproduce = commands.add_parser(
         "reproduce", help="re-run a recorded pipeline run in a clean worktree and compare hashes and metrics",
         description="Check out the run's git commit with its recorded dvc.yaml, params.yaml and dvc.lock in a "
@@ -115,6 +121,16 @@ def _project(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.stage == "sync":
+        from pathlib import Path
+
+        from eagle3ops.outbox import pending, sync
+        from eagle3ops.tracking import tracking_uri
+
+        uri = args.tracking_uri or tracking_uri(load_config(args.params) if Path(args.params).is_file() else Config())
+        uploaded = sync(uri, Path.cwd())
+        print(f"uploaded {len(uploaded)} run(s) to {uri}; {len(pending(Path.cwd()))} left in the outbox")
+        return 0
     if args.stage == "reproduce":
         try:
             return _reproduce(args)

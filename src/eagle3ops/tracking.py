@@ -12,6 +12,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import Any
 
 import mlflow
 import psutil
+import requests
 import yaml
 from mlflow import MlflowClient
 from mlflow.data.meta_dataset import MetaDataset
@@ -30,11 +32,16 @@ from omegaconf import OmegaConf
 
 from eagle3ops import hardware
 from eagle3ops.config import Config
+from eagle3ops.outbox import Outbox
 
+# A tracking server that is down must cost a stage seconds, not the minutes of MLflow's default retries.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 # Keep stdout for the stages' own output: no "View run ... at" line per run (an environment setting, so a user who
 # wants the links can still set it to false).
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
+UNREACHABLE = (MlflowException, requests.exceptions.RequestException)  # what a down tracking server raises
 PIPELINE_KEY_TAG = "eagle3ops.pipeline_key"
 ROLE_TAG = "eagle3ops.role"  # "pipeline" on the parent, "stage" on children: both carry the pipeline key
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
@@ -288,10 +295,14 @@ def register_drafter(client: MlflowClient, run, name: str, source: str, tau: flo
 
 
 class StageRun:
-    """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts."""
+    """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts.
 
-    def __init__(self, client: MlflowClient, run_id: str, started: float, experiment_id: str, parent_id: str,
-                 root: Path) -> None:
+    When the tracking server cannot be reached (from the start, or from some call on), the handle records what
+    it could not send in an outbox (outbox.py) and the stage goes on; `eagle3ops sync` uploads it later.
+    """
+
+    def __init__(self, client: MlflowClient | None, run_id: str | None, started: float, experiment_id: str | None,
+                 parent_id: str | None, root: Path, record: dict) -> None:
         self._client = client
         self._started = started
         self.run_id = run_id
@@ -300,6 +311,25 @@ class StageRun:
         self.root = root
         self.input_md5s: dict[str, str] = {}  # dvc.lock md5 of each input the stage named
         self.timings: dict[str, float] = {}
+        self._record = record  # what the outbox needs to recreate the run
+        self.outbox: Outbox | None = None
+
+    def go_offline(self, error: BaseException) -> None:
+        if self.outbox is None:
+            self.outbox = Outbox(self.root, {**self._record, "run_id": self.run_id, "parent_id": self.parent_id})
+            print(f"eagle3ops: MLflow unreachable ({type(error).__name__}: {str(error)[:200]}); recording this run "
+                  f"in {self.outbox.dir}; `eagle3ops sync` uploads it later", file=sys.stderr, flush=True)
+
+    def _send(self, action) -> bool:
+        """Run an MLflow call; False (and offline from now on) when the server cannot take it."""
+        if self.outbox is not None:
+            return False
+        try:
+            action()
+            return True
+        except UNREACHABLE as err:
+            self.go_offline(err)
+            return False
 
     def elapsed(self) -> float:
         """Seconds since the stage run began (perf_counter clock)."""
@@ -323,45 +353,54 @@ class StageRun:
             for key, value in metrics.items()
             if value is not None and math.isfinite(float(value))
         ]
-        if batch:
-            self._client.log_batch(self.run_id, metrics=batch)
+        if batch and not self._send(lambda: self._client.log_batch(self.run_id, metrics=batch)):
+            self.outbox.metrics(batch)
 
-    def register_drafter(self, name: str, artifact_path: str, tau: float) -> str:
+    def register_drafter(self, name: str, artifact_path: str, tau: float) -> None:
         """Register this run's logged drafter artifact (see `register_drafter`)."""
-        run = self._client.get_run(self.run_id)
-        return register_drafter(self._client, run, name, f"{run.info.artifact_uri}/{artifact_path}", tau)
+        def register():
+            run = self._client.get_run(self.run_id)
+            register_drafter(self._client, run, name, f"{run.info.artifact_uri}/{artifact_path}", tau)
+
+        if not self._send(register):
+            self.outbox.register(name, artifact_path, tau)
 
     def log_pipeline_artifact(self, path: str | Path, artifact_path: str) -> None:
         """A file that describes the whole pipeline run (dvc.lock, params.yaml) goes on the parent run."""
-        self._client.log_artifact(self.parent_id, str(path), artifact_path)
+        if not self._send(lambda: self._client.log_artifact(self.parent_id, str(path), artifact_path)):
+            self.outbox.artifact(Path(path), artifact_path, on_parent=True)
 
     def link_cached_stages(self) -> list[str]:
-        """At the end of a pipeline: link the runs of the stages DVC skipped (see `link_cached_stages`)."""
-        return link_cached_stages(self._client, self.experiment_id, self.parent_id, self.root)
+        """At the end of a pipeline: link the runs of the stages DVC skipped (see `link_cached_stages`).
+        Needs the server: offline, nothing is linked."""
+        linked: list[str] = []
+        self._send(lambda: linked.extend(link_cached_stages(self._client, self.experiment_id, self.parent_id,
+                                                            self.root)))
+        return linked
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Log a file, or a directory as a folder of its own name (unless `artifact_path` names one)."""
         path = Path(path)
-        if path.is_dir():
-            self._client.log_artifacts(self.run_id, str(path), artifact_path or path.name)
-        else:
-            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+        def send():
+            if path.is_dir():
+                self._client.log_artifacts(self.run_id, str(path), artifact_path or path.name)
+            else:
+                self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+        if not self._send(send):
+            self.outbox.artifact(path, artifact_path or (path.name if path.is_dir() else None))
 
 
 @contextmanager
 def stage_run(
     cfg: Config, stage: str, variant: str | None = None, inputs: Sequence[str | Path] = ()
 ) -> Iterator[StageRun]:
-    """Record one stage run as a child of its pipeline's parent run; FAILED if the block raises."""
+    """Record one stage run as a child of its pipeline's parent run; FAILED if the block raises. A tracking
+    server that cannot be reached never stops the stage: see StageRun."""
     start = time.perf_counter()
     root = _root()
     uri = tracking_uri(cfg)
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
-    artifacts = (_store_root(root) / "mlruns").as_uri() if uri == _default_uri(root) else None
-    experiment_id = _experiment_id(client, cfg.mlflow.experiment, artifacts)
-
     commit, dirty = _git_state(root)
     digest = params_digest(cfg)
     exp_name = os.environ.get("DVC_EXP_NAME")
@@ -370,10 +409,6 @@ def stage_run(
     if os.environ.get("EAGLE3OPS_REPRODUCES"):  # set by `eagle3ops reproduce` for the re-run it starts
         shared["eagle3ops.reproduces"] = os.environ["EAGLE3OPS_REPRODUCES"]
     name = exp_name or f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}"  # used only when the parent is created
-    parent_id = _parent_run_id(client, experiment_id, key, name, shared)
-
-    stamp_finished_stages(client, experiment_id, root)
-    tag_experiment_commits(client, experiment_id, root)
     input_md5s = _input_md5s(inputs, root)
     fp = hardware.fingerprint()
     tags = {
@@ -388,21 +423,38 @@ def stage_run(
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in input_md5s.items()},
     }
     run_name = f"{stage}@{variant}" if variant else stage
-    active = mlflow.start_run(
-        experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags,
-        log_system_metrics=cfg.mlflow.system_metrics
-    )
+    params = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
+              "run_name": run_name, "tags": tags, "params": params}
+
+    handle = StageRun(None, None, start, None, None, root, record)
+    try:
+        mlflow.set_tracking_uri(uri)
+        client = MlflowClient(uri)
+        # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
+        artifacts = (_store_root(root) / "mlruns").as_uri() if uri == _default_uri(root) else None
+        experiment_id = _experiment_id(client, cfg.mlflow.experiment, artifacts)
+        parent_id = _parent_run_id(client, experiment_id, key, name, shared)
+        stamp_finished_stages(client, experiment_id, root)
+        tag_experiment_commits(client, experiment_id, root)
+        active = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags,
+                                  log_system_metrics=cfg.mlflow.system_metrics)
+        handle = StageRun(client, active.info.run_id, start, experiment_id, parent_id, root, record)
+        mlflow.log_params(params)
+        _log_inputs(client, active.info.run_id, input_md5s)
+    except UNREACHABLE as err:
+        handle.go_offline(err)
+    handle.input_md5s = input_md5s
     status = "FAILED"
     try:
-        mlflow.log_params(_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))))
-        _log_inputs(client, active.info.run_id, input_md5s)
-        handle = StageRun(client, active.info.run_id, start, experiment_id, parent_id, root)
-        handle.input_md5s = input_md5s
         yield handle
         status = "FINISHED"
     finally:
-        try:
-            client.log_metric(active.info.run_id, "time/stage_wall_s", time.perf_counter() - start)
-        finally:
-            mlflow.end_run(status)
-            client.set_terminated(parent_id, "FINISHED")  # moves the parent's end time to this stage's end
+        handle.log_metrics({"time/stage_wall_s": time.perf_counter() - start})
+        if handle.run_id is not None:
+            try:
+                mlflow.end_run(status)
+            except UNREACHABLE:
+                pass  # the outbox keeps the status
+        if not handle._send(lambda: handle._client.set_terminated(handle.parent_id, "FINISHED")):
+            handle.outbox.finish(status)  # moves the parent's end time to this stage's end, once synced

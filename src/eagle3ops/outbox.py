@@ -1,0 +1,115 @@
+"""What a stage run could not send to MLflow, kept on disk until `eagle3ops sync` uploads it.
+
+A tracking server that is down, or goes down mid-run, must not cost a stage its results: the stage goes on,
+and from the first failed call everything it would have logged (params, tags, metrics, artifacts, a drafter
+to register, its final status) lands in `.eagle3ops/outbox/<id>/` instead, artifacts copied (hard-linked
+where the disk allows). `sync` replays each entry into the run the stage had started, or into a new run
+under the pipeline's parent when the server was down from the start, then removes the entry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+
+from eagle3ops.fs import write_json_atomic
+
+OUTBOX_DIR = Path(".eagle3ops") / "outbox"
+RECORD = "run.json"
+
+
+def _copy(source: Path, destination: Path) -> None:
+    """Hard links where possible: a 2 GB drafter need not be stored twice."""
+    if source.is_dir():
+        shutil.copytree(source, destination, copy_function=_link_or_copy)
+    else:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(source, destination)
+
+
+def _link_or_copy(source, destination) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+class Outbox:
+    def __init__(self, root: Path, record: dict):
+        self.dir = root / OUTBOX_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir(parents=True)
+        self.record = {**record, "metrics": [], "artifacts": [], "register": None, "status": "RUNNING"}
+        self._save()
+
+    def _save(self) -> None:
+        write_json_atomic(self.dir / RECORD, self.record)
+
+    def metrics(self, batch: list[Metric]) -> None:
+        self.record["metrics"] += [[m.key, m.value, m.timestamp, m.step] for m in batch]
+        self._save()
+
+    def artifact(self, path: Path, artifact_path: str | None, on_parent: bool = False) -> None:
+        stored = Path("files") / str(len(self.record["artifacts"])) / Path(path).name
+        _copy(Path(path), self.dir / stored)
+        self.record["artifacts"].append({"file": str(stored), "artifact_path": artifact_path, "on_parent": on_parent})
+        self._save()
+
+    def register(self, name: str, artifact_path: str, tau: float) -> None:
+        self.record["register"] = {"name": name, "artifact_path": artifact_path, "tau": tau}
+        self._save()
+
+    def finish(self, status: str) -> None:
+        self.record["status"] = status
+        self._save()
+
+
+def pending(root: Path) -> list[Path]:
+    return sorted(p.parent for p in (root / OUTBOX_DIR).glob(f"*/{RECORD}"))
+
+
+def sync(uri: str, root: Path) -> list[str]:
+    """Upload every outbox entry to the tracking server at `uri`; returns the run ids written."""
+    from eagle3ops.tracking import _experiment_id, _parent_run_id, register_drafter
+
+    client = MlflowClient(uri)
+    done = []
+    for entry in pending(root):
+        record = json.loads((entry / RECORD).read_text())
+        if record["status"] == "RUNNING":
+            continue  # its stage is still going (or was killed: it will be re-run anyway)
+        experiment_id = _experiment_id(client, record["experiment"], None)
+        run_id = record.get("run_id")
+        if run_id is None:  # the server was down from the start: create what the stage could not
+            parent_id = _parent_run_id(client, experiment_id, record["pipeline_key"], record["parent_name"],
+                                       record["parent_tags"])
+            run = client.create_run(experiment_id, run_name=record["run_name"],
+                                    tags={**record["tags"], "mlflow.parentRunId": parent_id})
+            run_id, record["parent_id"] = run.info.run_id, parent_id
+            params = [Param(k, v) for k, v in record["params"].items()]
+            for first in range(0, len(params), 100):
+                client.log_batch(run_id, params=params[first : first + 100])
+        metrics = [Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]]
+        for first in range(0, len(metrics), 1000):
+            client.log_batch(run_id, metrics=metrics[first : first + 1000])
+        for artifact in record["artifacts"]:
+            target = record["parent_id"] if artifact["on_parent"] else run_id
+            path = entry / artifact["file"]
+            if path.is_dir():
+                client.log_artifacts(target, str(path), artifact["artifact_path"] or path.name)
+            else:
+                client.log_artifact(target, str(path), artifact["artifact_path"])
+        if record["register"]:
+            run = client.get_run(run_id)
+            wanted = record["register"]
+            register_drafter(client, run, wanted["name"], f"{run.info.artifact_uri}/{wanted['artifact_path']}",
+                             wanted["tau"])
+        client.set_terminated(run_id, record["status"])
+        shutil.rmtree(entry)
+        done.append(run_id)
+    return done

@@ -1,0 +1,106 @@
+"""A tracking server that is down, or goes down mid-run, costs a stage nothing: `eagle3ops sync` uploads later.
+
+Uses a real `mlflow server` on loopback, stopped and started again by the tests.
+"""
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from eagle3ops.cli import main
+from eagle3ops.config import Config
+from eagle3ops.outbox import pending
+from eagle3ops.tracking import stage_run
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path, port: int):
+        self.root, self.port, self.process = root, port, None
+        self.uri = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+             "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("mlflow server did not come up")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    server = Server(tmp_path, free_port())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    cfg = Config()
+    cfg.mlflow.system_metrics = False
+    cfg.mlflow.registered_model = None
+    yield tmp_path, server, cfg
+    if server.process and server.process.poll() is None:
+        server.stop()
+
+
+def test_server_down_from_the_start(workspace, capsys):
+    root, server, cfg = workspace
+    with stage_run(cfg, "eval", variant="scratch") as run:  # nobody listens on the port yet
+        run.log_metrics({"tau": 3.25})
+        run.log_artifact(root / "drafter", "drafter")
+    assert "MLflow unreachable" in capsys.readouterr().err
+    (entry,) = pending(root)
+
+    server.start()
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    assert not pending(root)
+    client = MlflowClient(server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
+                                "tags.`eagle3ops.role` = 'stage'")
+    assert run.data.metrics["tau"] == 3.25 and run.info.status == "FINISHED"
+    assert run.data.params["train.lr"] == str(cfg.train.lr)
+    assert run.data.tags["mlflow.parentRunId"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "drafter")] == ["drafter/config.json"]
+
+
+def test_server_goes_down_mid_run(workspace):
+    root, server, cfg = workspace
+    server.start()
+    with stage_run(cfg, "train", variant="scratch") as run:
+        run.log_metrics({"train/loss": 2.0}, step=1)
+        server.stop()
+        run.log_metrics({"train/loss": 1.0}, step=2)  # the stage goes on
+        run.log_artifact(root / "drafter", "drafter")
+        run_id = run.run_id
+    assert len(pending(root)) == 1
+
+    server.start()
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    client = MlflowClient(server.uri)
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 2.0), (2, 1.0)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.list_artifacts(run_id, "drafter")
