@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, ConfigError, load_config
 from eagle3ops.errors import InputError
@@ -86,15 +87,32 @@ def parser() -> argparse.ArgumentParser:
     return main
 
 
-def _reproduce(args) -> int:
-    from pathlib import Path
+def _store_uri(args) -> str:
+    """--tracking-uri, else the store the stages use (params.yaml's mlflow.tracking_uri, $MLFLOW_TRACKING_URI,
+    mlflow.db in the repository)."""
+    from eagle3ops.tracking import tracking_uri
 
+    if args.tracking_uri:
+        return args.tracking_uri
+    params = Path(getattr(args, "params", "params.yaml"))
+    return tracking_uri(load_config(params) if params.is_file() else Config())
+
+
+def _sync(args) -> int:
+    from eagle3ops.outbox import pending, sync
+
+    uri = _store_uri(args)
+    uploaded = sync(uri, Path.cwd())
+    print(f"uploaded {len(uploaded)} run(s) to {uri}; {len(pending(Path.cwd()))} left in the outbox")
+    return 0
+
+
+def _reproduce(args) -> int:
     from mlflow import MlflowClient
 
     from eagle3ops.reproduce import as_json, reproduce, summary
-    from eagle3ops.tracking import tracking_uri
 
-    uri = args.tracking_uri or tracking_uri(load_config(args.params) if Path(args.params).is_file() else Config())
+    uri = _store_uri(args)
     result = reproduce(MlflowClient(uri), args.run_id, Path.cwd(), uri, keep=args.keep)
     print(summary(result))
     if args.json:
@@ -102,50 +120,36 @@ def _reproduce(args) -> int:
     return 0 if result.identical else 3
 
 
-def _project(args) -> int:
-    from pathlib import Path
+def _compare(args) -> int:  # reads MLflow only; pandas and matplotlib load only here
+    from eagle3ops.compare import command
 
+    return command(args)
+
+
+def _project(args) -> int:
     from mlflow import MlflowClient
 
     from eagle3ops.projection import project_runs, render
-    from eagle3ops.tracking import tracking_uri
 
-    uri = args.tracking_uri or tracking_uri(load_config() if Path("params.yaml").is_file() else Config())
-    text = render(project_runs(MlflowClient(uri), args.run, args.samples, args.to, args.from_profile, args.measured))
+    text = render(project_runs(MlflowClient(_store_uri(args)), args.run, args.samples, args.to, args.from_profile,
+                               args.measured))
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     return 0
 
 
+TOOLS = {"sync": _sync, "reproduce": _reproduce, "compare": _compare, "project": _project}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.stage == "sync":
-        from pathlib import Path
-
-        from eagle3ops.outbox import pending, sync
-        from eagle3ops.tracking import tracking_uri
-
-        uri = args.tracking_uri or tracking_uri(load_config(args.params) if Path(args.params).is_file() else Config())
-        uploaded = sync(uri, Path.cwd())
-        print(f"uploaded {len(uploaded)} run(s) to {uri}; {len(pending(Path.cwd()))} left in the outbox")
-        return 0
-    if args.stage == "reproduce":
+    if args.stage in TOOLS:
         try:
-            return _reproduce(args)
+            return TOOLS[args.stage](args)
         except InputError as err:
-            print(f"eagle3ops reproduce: error: {err}", file=sys.stderr)
-            return 1
-    if args.stage == "compare":  # reads MLflow only; pandas and matplotlib load only here
-        from eagle3ops.compare import command
-
-        return command(args)
-    if args.stage == "project":
-        try:
-            return _project(args)
-        except InputError as err:
-            print(f"eagle3ops project: error: {err}", file=sys.stderr)
+            print(f"eagle3ops {args.stage}: error: {err}", file=sys.stderr)
             return 1
     try:
         cfg = load_config(args.params, args.overrides)
