@@ -343,3 +343,19 @@ def test_credentials_stay_out_of_mlflow_params():
 
     assert scrub("postgresql://eagle:s3cret@db.local:5432/mlflow") == "postgresql://eagle:***@db.local:5432/mlflow"
     assert scrub("sqlite:////srv/mlflow.db") == "sqlite:////srv/mlflow.db"
+
+
+@pytest.mark.parametrize("value", ["../elsewhere", "/tmp/features", "data/../../x"])
+def test_outputs_stay_inside_the_project(workdir, capsys, value):
+    params = write_params(workdir, {"extract": {"out_dir": value}})
+    rc, err = run_cli("extract", params, capsys)
+    assert rc == 2 and "extract.out_dir" in err and "inside the project" in err
+
+
+def test_vocab_map_of_the_wrong_dtype(tmp_path):
+    save_drafter(draft(), tmp_path / "d")
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    weights["d2t"] = weights["d2t"].float()
+    save_file(weights, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="d2t: checkpoint dtype torch.float32 vs torch.int64"):
+        load_into(draft(), tmp_path / "d")

@@ -211,6 +211,12 @@ def _check_values(cfg: Config, path: Path) -> None:
     def fail(key: str, message: str) -> None:
         raise ConfigError(f"{path}: key '{key}': {message}")
 
+    outputs = {"zoo.dir": cfg.zoo.dir, "zoo.data_dir": cfg.zoo.data_dir, "generate.out": cfg.generate.out,
+               "prepare.out_dir": cfg.prepare.out_dir, "extract.out_dir": cfg.extract.out_dir,
+               "train.out_dir": cfg.train.out_dir, "report.out_dir": cfg.report.out_dir}
+    for key, value in outputs.items():  # stages replace whole output directories: never outside the project
+        if Path(value).is_absolute() or ".." in Path(value).parts or not Path(value).parts:
+            fail(key, f"{value!r} must be a path inside the project (relative, without '..')")
     if cfg.generate.backend not in GENERATE_BACKENDS:
         fail("generate.backend", f"{cfg.generate.backend!r} is not one of {GENERATE_BACKENDS}")
     for key, value in (("target.dtype", cfg.target.dtype), ("extract.dtype", cfg.extract.dtype)):

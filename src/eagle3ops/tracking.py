@@ -69,8 +69,9 @@ def _default_uri(root: Path) -> str:
 
 
 def tracking_uri(cfg: Config) -> str:
-    """Where runs are recorded: the config's URI, else $MLFLOW_TRACKING_URI, else mlflow.db at the repo root."""
-    return cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_uri(_root())
+    """Where runs are recorded: $MLFLOW_TRACKING_URI (it overrides, as in MLflow itself), else the config's
+    mlflow.tracking_uri, else mlflow.db at the repository root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or _default_uri(_root())
 
 
 def params_digest(cfg: Config) -> str:

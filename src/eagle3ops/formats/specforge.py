@@ -111,6 +111,9 @@ def load_into(draft: Eagle3Draft, directory: str | Path) -> None:
     expected = {name: t.shape for name, t in draft.state_dict().items() if not name.startswith("embed_tokens.")}
     problems = [f"{name}: checkpoint {tuple(weights[name].shape)} vs drafter {tuple(shape)}"
                 for name, shape in expected.items() if name in weights and weights[name].shape != shape]
+    buffers = {"d2t": torch.int64, "t2d": torch.bool}  # indices and a mask: no cast can repair another dtype
+    problems += [f"{name}: checkpoint dtype {weights[name].dtype} vs {dtype}"
+                 for name, dtype in buffers.items() if name in weights and weights[name].dtype != dtype]
     problems += [f"{name}: missing from the checkpoint" for name in expected if name not in weights]
     problems += [f"{name}: not a drafter parameter" for name in weights if name not in expected]
     if problems:

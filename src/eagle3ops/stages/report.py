@@ -1,4 +1,5 @@
 """Stage `report`: compare the variants (tau, per-position acceptance, stage timings) in markdown and PNG."""
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -7,7 +8,7 @@ from eagle3ops.config import TRAIN_INITS, Config
 from eagle3ops.fs import atomic_dir
 from eagle3ops.metrics import PLOTS_DIR, read_all
 from eagle3ops.reporting import acceptance_curve, markdown, plot
-from eagle3ops.tracking import stage_run, tracking_uri
+from eagle3ops.tracking import scrub, stage_run, tracking_uri
 
 
 def run(cfg: Config) -> None:
@@ -15,14 +16,16 @@ def run(cfg: Config) -> None:
         metrics = read_all()
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TRAIN_INITS
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
-        text = markdown(metrics, tracking_uri(cfg))
+        text = markdown(metrics, scrub(tracking_uri(cfg)))
         with atomic_dir(cfg.report.out_dir) as out:
             (out / "summary.md").write_text(text)
             acceptance_curve(metrics).to_csv(out / "acceptance.csv", index=False)
             plot(metrics, histories, out / "comparison.png")
         tracked.log_artifact(Path(cfg.report.out_dir), "report")
         tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
-        for name in ("dvc.yaml", "params.yaml", "dvc.lock"):  # what `eagle3ops reproduce` needs
-            if Path(name).is_file():
-                tracked.log_pipeline_artifact(name, "lineage")
+        with tempfile.TemporaryDirectory() as lineage:  # what `eagle3ops reproduce` needs, passwords masked
+            for name in ("dvc.yaml", "params.yaml", "dvc.lock"):
+                if Path(name).is_file():
+                    (Path(lineage) / name).write_text(scrub(Path(name).read_text()))
+                    tracked.log_pipeline_artifact(Path(lineage) / name, "lineage")
         print(text)
