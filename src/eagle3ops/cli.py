@@ -25,6 +25,11 @@ STAGES = {
 }
 
 
+def _store_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--params", default="params.yaml", help="where the tracking settings come from")
+    command.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from --params)")
+
+
 def parser() -> argparse.ArgumentParser:
     main = argparse.ArgumentParser(prog="eagle3ops", description="EAGLE-3 drafter pipeline stages (run by dvc repro).")
     commands = main.add_subparsers(dest="stage", required=True, metavar="STAGE")
@@ -42,16 +47,14 @@ def parser() -> argparse.ArgumentParser:
         "sync", help="upload the runs recorded while the MLflow server was unreachable (.eagle3ops/outbox/)",
         description="Stages never stop for a tracking server that is down: what they could not log is kept under "
                     ".eagle3ops/outbox/. This uploads it, into the runs the stages had started or into new ones.")
-    sync.add_argument("--params", default="params.yaml", help="where the tracking settings come from")
-    sync.add_argument("--tracking-uri", help="MLflow server (default: as the stages resolve it from --params)")
+    _store_options(sync)
     reproduce = commands.add_parser(
         "reproduce", help="re-run a recorded pipeline run in a clean worktree and compare hashes and metrics",
         description="Check out the run's git commit with its recorded dvc.yaml, params.yaml and dvc.lock in a "
                     "separate worktree, run `dvc repro` with an empty cache, and report which outputs came back "
                     "with identical hashes and how far each metric moved.")
     reproduce.add_argument("run_id", help="the pipeline (parent) run id, as `eagle3ops compare` or the MLflow UI show")
-    reproduce.add_argument("--params", default="params.yaml", help="where the tracking settings come from")
-    reproduce.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from --params)")
+    _store_options(reproduce)
     reproduce.add_argument("--keep", action="store_true", help="keep the worktree for inspection")
     reproduce.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
     compare = commands.add_parser(
@@ -69,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
                          help="only runs on these hardware labels")
     compare.add_argument("--last", type=int, metavar="N", help="the N newest matching runs (default: 5; all of --runs)")
     compare.add_argument("--out", default="comparisons", help="output directory (default: %(default)s)")
-    compare.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from params.yaml)")
+    _store_options(compare)
     project = commands.add_parser(
         "project", help="project a pilot pipeline run's phase times and cost to N samples on other hardware",
         description="From a measured pilot pipeline run and hardware profiles (YAML, see eagle3ops/profiles/), "
@@ -82,13 +85,13 @@ def parser() -> argparse.ArgumentParser:
     project.add_argument("--to", action="append", required=True, metavar="PROFILE",
                          help="target profile: a shipped name or a YAML path (repeatable)")
     project.add_argument("--measured", metavar="RUN_ID", help="a real run on target hardware: print projected vs measured")
-    project.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from params.yaml)")
+    _store_options(project)
     project.add_argument("--out", metavar="FILE.md", help="also write the report to this file")
     return main
 
 
 def _store_uri(args) -> str:
-    """--tracking-uri, else the store the stages use (params.yaml's mlflow.tracking_uri, $MLFLOW_TRACKING_URI,
+    """--tracking-uri, else the store the stages use ($MLFLOW_TRACKING_URI, the params' mlflow.tracking_uri,
     mlflow.db in the repository)."""
     from eagle3ops.tracking import tracking_uri
 

@@ -256,7 +256,7 @@ def write_report(records: Sequence[PipelineRecord], out_dir: Path) -> str:
 def command(args: argparse.Namespace) -> int:
     """`eagle3ops compare`, with the arguments cli.py defines."""
     try:
-        cfg = load_config() if Path("params.yaml").is_file() else Config()
+        cfg = load_config(args.params) if Path(args.params).is_file() else Config()
         client = MlflowClient(args.tracking_uri or tracking_uri(cfg))
         records = select_pipelines(client, args.experiment or cfg.mlflow.experiment, args.filter, args.runs,
                                    args.hardware, args.variant, args.last or (None if args.runs else DEFAULT_LAST))
