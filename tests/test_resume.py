@@ -91,7 +91,7 @@ def test_resume_point_is_keyed_by_what_determines_the_result(tmp_path):
     assert a.load() is None
 
 
-def _extract_workspace(root: Path, target: Path) -> dict:
+def _extract_workspace(root: Path, target: Path, extra: dict | None = None) -> dict:
     """A prepared dataset for the tiny target and a params file that extracts it in small shards."""
     from omegaconf import OmegaConf
 
@@ -105,7 +105,8 @@ def _extract_workspace(root: Path, target: Path) -> dict:
         write_tokenized(samples, root / "data" / "prepared" / split, {"split": split})
     OmegaConf.save({"target": {"path": str(target), "aux_layers": [1, 2, 3]},
                     "extract": {"batch_size": 4, "samples_per_shard": 8},
-                    "mlflow": {"system_metrics": False, "registered_model": None}}, root / "params.yaml")
+                    "mlflow": {"system_metrics": False, "registered_model": None}, **(extra or {})},
+                   root / "params.yaml")
     return {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
 
 
@@ -219,3 +220,55 @@ def test_disk_full_during_extraction_then_resume(tmp_path, tiny_target_dir):
         assert manifest["shards"][: len(kept)] == kept and manifest["samples"] == 240
     finally:
         subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+
+def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir):
+    """The train stage itself (CLI, after a real extract), killed at resume points chosen by a seeded RNG."""
+    import random
+
+    from safetensors.torch import save_file
+
+    from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
+
+    def workspace(root: Path) -> dict:
+        env = _extract_workspace(root, tiny_target_dir, {"train": {"epochs": 2, "batch_size": 8, "lr": 1e-3,
+                                                                    "checkpoint_every": 5, "log_every": 5}})
+        counts = count_masked_tokens([([1, 2, 3], [1, 1, 1])])
+        vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+        d2t, t2d = build_vocab_map(counts, vocab, 32)
+        save_file({"d2t": d2t, "t2d": t2d}, str(root / "data" / "prepared" / "vocab_map.safetensors"))
+        done = subprocess.run([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return env
+
+    def train(root: Path, env: dict) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=root,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    env_ref = workspace(reference)
+    done = train(reference, env_ref)
+    assert done.wait(timeout=600) == 0, done.stderr.read()
+
+    env = workspace(resumed)
+    kill_points = sorted(random.Random(8).sample(range(5, 56, 5), 3))  # of 60 steps, a resume point every 5
+    for kill_after_step in kill_points:
+        child = train(resumed, env)
+        deadline = time.monotonic() + 300
+        while child.poll() is None and time.monotonic() < deadline:
+            points = list(resumed.glob(".eagle3ops/resume/train@scratch-*.pt"))
+            state = ResumePoint(points[0]).load() if points else None
+            if state is not None and state["step"] >= kill_after_step:
+                child.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        child.wait(timeout=60)
+        assert child.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    final = train(resumed, env)
+    assert final.wait(timeout=600) == 0, final.stderr.read()
+
+    checkpoint = "models/drafters/scratch/model.safetensors"
+    assert (resumed / checkpoint).read_bytes() == (reference / checkpoint).read_bytes()
+    assert (resumed / "plots" / "train-scratch.csv").read_text() == (reference / "plots" / "train-scratch.csv").read_text()
+    assert not list(resumed.glob(".eagle3ops/resume/train@scratch-*"))  # cleared once the checkpoint is written

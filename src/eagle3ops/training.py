@@ -16,6 +16,7 @@ import torch
 
 from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
 from eagle3ops.data.shards import iter_samples
+from eagle3ops.errors import InputError
 from eagle3ops.progress import progress as progress_bar
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
 
@@ -192,6 +193,9 @@ def rope_theta(hf_config) -> float:
 def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
                 d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
     """A randomly initialised drafter for a target (its HF config), with the target's embedding and a vocab map."""
+    if t2d.numel() != embedding.shape[0]:
+        raise InputError(f"the draft vocabulary map covers {t2d.numel()} target tokens but the target has "
+                         f"{embedding.shape[0]}: it was built for another tokenizer; re-run prepare")
     torch.manual_seed(seed)
     hidden = target_config.hidden_size
     cfg = DraftConfig(
