@@ -359,3 +359,20 @@ def test_vocab_map_of_the_wrong_dtype(tmp_path):
     save_file(weights, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="d2t: checkpoint dtype torch.float32 vs torch.int64"):
         load_into(draft(), tmp_path / "d")
+
+
+def test_hidden_states_that_do_not_fit_are_refused_before_training(tmp_path):
+    from eagle3ops.data.shards import ShardWriter
+    from eagle3ops.errors import InputError
+    from eagle3ops.training import load_feature_samples
+
+    writer = ShardWriter(tmp_path / "f", 1, meta={"aux_layers": [1, 2, 3], "hidden_size": 32, "dtype": "float32"})
+    writer.add("ok", {"input_ids": torch.zeros(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),
+                      "aux_hidden": torch.zeros(5, 96), "final_hidden": torch.zeros(5, 32)})
+    writer.add("bad", {"input_ids": torch.zeros(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),
+                       "aux_hidden": torch.zeros(5, 64), "final_hidden": torch.zeros(5, 32)})
+    writer.close()
+    with pytest.raises(InputError, match=r"sample 'bad': aux_hidden is \(5, 64\)"):
+        load_feature_samples(tmp_path / "f")
+    with pytest.raises(InputError, match="the target's hidden size is 48"):
+        load_feature_samples(tmp_path / "f", hidden_size=48)

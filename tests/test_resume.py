@@ -1,6 +1,7 @@
 """Training killed with SIGKILL at several points and resumed ends with the weights of an uninterrupted run."""
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def test_sigkilled_training_resumes_to_identical_weights(tmp_path):
 
     resume_file = tmp_path / "resume.pt"
     kills = []
-    for kill_after_step in (3, 9, 18):  # 32 total steps, a resume point every 3
+    for kill_after_step in sorted(random.Random(2).sample(range(3, 28, 3), 3)):  # of 32 steps, a resume point every 3
         child = train(tmp_path / "resumed", str(resume_file), env)
         deadline = time.monotonic() + 300
         while child.poll() is None and time.monotonic() < deadline:
@@ -128,7 +129,7 @@ def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
 
     kills = []
-    for kill_after_shards in (2, 9, 20):  # of 30 train shards
+    for kill_after_shards in sorted(random.Random(3).sample(range(1, 28), 3)):  # of 30 train shards
         child = _extract(resumed, env)
         deadline = time.monotonic() + 300
         while child.poll() is None and time.monotonic() < deadline:
@@ -176,7 +177,7 @@ def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_
     uninterrupted = generate(reference, workspace(reference))
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
     env = workspace(resumed)
-    for kill_after_chunks in (1, 4, 8):  # of 12
+    for kill_after_chunks in sorted(random.Random(5).sample(range(1, 11), 3)):  # of 12 chunks
         child = generate(resumed, env)
         deadline = time.monotonic() + 300
         while child.poll() is None and time.monotonic() < deadline:
@@ -224,8 +225,6 @@ def test_disk_full_during_extraction_then_resume(tmp_path, tiny_target_dir):
 
 def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir):
     """The train stage itself (CLI, after a real extract), killed at resume points chosen by a seeded RNG."""
-    import random
-
     from safetensors.torch import save_file
 
     from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
-from eagle3ops.data.shards import iter_samples
+from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.errors import InputError
 from eagle3ops.progress import progress as progress_bar
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
+from eagle3ops.modeling.target import DTYPES
 
 
 def seed_everything(seed: int) -> None:
@@ -179,9 +180,23 @@ def _remaining(samples, batch_size, seed, done_steps, total_steps, epochs) -> It
             step += 1
 
 
-def load_feature_samples(directory) -> list[dict[str, torch.Tensor]]:
-    """All samples of a hidden-state shard directory, in memory."""
-    return [tensors for _, tensors in iter_samples(directory)]
+def load_feature_samples(directory, hidden_size: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """All samples of a hidden-state shard directory, in memory, each checked against the manifest (and the
+    target's hidden size) before any training starts: a wrong file fails here, naming itself, not hours later."""
+    manifest = read_manifest(directory)
+    hidden, dtype = manifest["hidden_size"], DTYPES[manifest["dtype"]]
+    if hidden_size is not None and hidden != hidden_size:
+        raise InputError(f"{directory}: hidden states of size {hidden}, the target's hidden size is {hidden_size}")
+    expected = {"aux_hidden": (len(manifest["aux_layers"]) * hidden, dtype), "final_hidden": (hidden, dtype)}
+    samples = []
+    for sample_id, tensors in iter_samples(directory):
+        length = tensors["input_ids"].shape[0]
+        for name, (width, kind) in expected.items():
+            if tuple(tensors[name].shape) != (length, width) or tensors[name].dtype != kind:
+                raise InputError(f"{directory}: sample {sample_id!r}: {name} is {tuple(tensors[name].shape)} "
+                                 f"{tensors[name].dtype}, the manifest says ({length}, {width}) {kind}")
+        samples.append(tensors)
+    return samples
 
 
 def rope_theta(hf_config) -> float:

@@ -35,8 +35,8 @@ def run(cfg: Config, init: str) -> None:
                 vocab = load_file(str(Path(cfg.prepare.out_dir) / VOCAB_MAP))
                 draft = new_drafter(AutoConfig.from_pretrained(cfg.target.path), cfg.train.draft, aux_layers,
                                     embedding, vocab["d2t"], vocab["t2d"], cfg.seed)
-            train_samples = load_feature_samples(features / "train")
-            eval_samples = load_feature_samples(features / "eval")
+            train_samples = load_feature_samples(features / "train", embedding.shape[1])
+            eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
         resume = resume_point(f"train@{init}", {"params": params_digest(cfg), "inputs": tracked.input_md5s})
         resumed = resume.load()
         if resumed is not None:
