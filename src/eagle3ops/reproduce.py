@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 from eagle3ops.errors import InputError
 from eagle3ops.metrics import METRICS_DIR, read_all
 from eagle3ops.runs import load_pipeline
+from eagle3ops.tracking import lock_outputs
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
 REPRODUCES_TAG = "eagle3ops.reproduces"
@@ -41,10 +42,6 @@ class Reproduction:
 
 def _kind(path: str, report_dir: str) -> str:
     return "timing" if path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}")) else "result"
-
-
-def _outs(lock: dict) -> dict[str, str]:
-    return {out["path"]: out["md5"] for entry in lock["stages"].values() for out in entry.get("outs", [])}
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
@@ -73,8 +70,8 @@ def reproduce(client: MlflowClient, run_id: str, repo: Path, tracking_uri: str, 
         # An empty cache of its own (never the original's run-cache): every stage really runs again.
         _run(["dvc", "config", "--local", "cache.dir", str(staging / "cache")], worktree, env)
         _run(["dvc", "repro", "--force"], worktree, env)
-        recorded = _outs(yaml.safe_load((staging / "lineage" / "dvc.lock").read_text()))
-        again = _outs(yaml.safe_load((worktree / "dvc.lock").read_text()))
+        recorded = lock_outputs(staging / "lineage" / "dvc.lock")
+        again = lock_outputs(worktree / "dvc.lock")
         report_dir = yaml.safe_load((worktree / "params.yaml").read_text()).get("report", {}).get("out_dir", "reports")
         outputs = [{"path": path, "kind": _kind(path, report_dir), "recorded": md5, "reproduced": again.get(path),
                     "identical": again.get(path) == md5} for path, md5 in sorted(recorded.items())]

@@ -118,18 +118,22 @@ def _normalise(path: str | Path, root: Path) -> str:
     return Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
 
 
+def lock_stages(lock: Path) -> dict[str, dict]:
+    """{stage name: its dvc.lock entry}; empty when there is no lock yet."""
+    if not lock.is_file():
+        return {}
+    return (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
+
+
+def lock_outputs(lock: Path) -> dict[str, str]:
+    """{output path: md5} over every stage of a dvc.lock."""
+    return {out["path"]: str(out["md5"]) for entry in lock_stages(lock).values()
+            for out in entry.get("outs") or [] if "path" in out and "md5" in out}
+
+
 def _input_md5s(inputs: Sequence[str | Path], root: Path) -> dict[str, str]:
     """md5 that dvc.lock records for each input as some stage's output; inputs it does not list are left out."""
-    lock = root / "dvc.lock"
-    if not inputs or not lock.is_file():
-        return {}
-    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
-    recorded = {
-        _normalise(root / out["path"], root): str(out["md5"])
-        for stage in stages.values()
-        for out in stage.get("outs") or []
-        if "path" in out and "md5" in out
-    }
+    recorded = {_normalise(root / path, root): md5 for path, md5 in lock_outputs(root / "dvc.lock").items()}
     wanted = (_normalise(path, root) for path in inputs)
     return {path: recorded[path] for path in wanted if path in recorded}
 
@@ -190,12 +194,8 @@ CACHED_FROM_TAG = "eagle3ops.cached_from"
 def lock_hashes(root: Path) -> dict[str, str]:
     """{dvc stage name: hash of its dvc.lock entry}. Equal hashes mean the same command, deps, params and outs:
     the run that wrote the entry produced exactly those outputs."""
-    lock = root / "dvc.lock"
-    if not lock.is_file():
-        return {}
-    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
     return {name: hashlib.sha256(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest()[:16]
-            for name, entry in stages.items()}
+            for name, entry in lock_stages(root / "dvc.lock").items()}
 
 
 def _stage_runs(client: MlflowClient, experiment_id: str, extra: str = "") -> list:
