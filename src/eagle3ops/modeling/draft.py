@@ -242,18 +242,18 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     counted = shift_left(in_draft) & masked  # [B, T]
     hidden = draft.fuse(aux_hidden)
     ttt_cache: list = []
-    result = TTTResult(hidden.new_zeros((), dtype=torch.float32), [], [], [], [])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
     for k in range(ttt_steps):
         hidden, logits = draft.step(next_ids, hidden, positions, ttt_cache=ttt_cache)
         logp = logits.float().log_softmax(-1)  # [B, T, Vd]
         n = counted.sum()
         loss_k = -((target_p * logp).sum(-1) * counted).sum() / n.clamp(min=1)
         correct = ((logits.argmax(-1) == target_p.argmax(-1)) & counted).sum()
-        result.loss = result.loss + decay**k * loss_k
-        result.losses.append(loss_k.item())
-        result.accs.append((correct / n.clamp(min=1)).item())
-        result.counted.append(int(n))
-        result.masked.append(int(masked.sum()))
+        total = total + decay**k * loss_k
+        per_step.append(torch.stack([loss_k.detach(), correct.float(), n.float(), masked.sum().float()]))
         next_ids, target_p = shift_left(next_ids), shift_left(target_p)
         counted, masked = shift_left(counted), shift_left(masked)
-    return result
+    losses, corrects, counts, masks = torch.stack(per_step).T.tolist()
+    return TTTResult(total, losses, [c / max(1, n) for c, n in zip(corrects, counts)],
+                     [int(n) for n in counts], [int(m) for m in masks])
