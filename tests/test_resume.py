@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ result, state = train_drafter(draft, samples, samples[:4], head, recipe, seed=0,
                               state=resume.load() if resume else None, checkpoint=resume.save if resume else None)
 save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out / "weights.safetensors"))
 (out / "history.json").write_text(json.dumps(result.history))
+(out / "resumed_at.json").write_text(json.dumps(result.resumed_at))
 '''
 
 
@@ -70,6 +72,8 @@ def test_sigkilled_training_resumes_to_identical_weights(tmp_path):
         assert child.returncode == -signal.SIGKILL, "training finished before it could be killed"
     final = train(tmp_path / "resumed", str(resume_file), env)
     assert final.wait(timeout=300) == 0, final.stderr.read()
+    # The last process continued from the last resume point rather than starting over.
+    assert json.loads((tmp_path / "resumed" / "resumed_at.json").read_text())[0] >= kills[-1]
 
     assert kills == sorted(kills) and kills[0] >= 3
     expected = load_file(str(tmp_path / "reference" / "weights.safetensors"))
@@ -113,7 +117,7 @@ def _extract_workspace(root: Path, target: Path, extra: dict | None = None) -> d
 
 def _extract(root: Path, env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _manifests(root: Path) -> dict:
@@ -147,7 +151,10 @@ def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_
         assert child.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
     assert not (resumed / "data" / "features").exists()  # nothing half-written where DVC looks
     final = _extract(resumed, env)
-    assert final.wait(timeout=300) == 0, final.stderr.read()
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err
+    kept = int(re.search(r"extract train: resuming after (\d+) of 240 samples", out).group(1))
+    assert kept >= kills[-1] * 8  # the last run continued after the shards already written
 
     assert kills == sorted(kills)
     expected, got = _manifests(reference), _manifests(resumed)
@@ -171,7 +178,7 @@ def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_
 
     def generate(root: Path, env: dict) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "generate"], cwd=root, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     uninterrupted = generate(reference, workspace(reference))
@@ -189,7 +196,9 @@ def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_
         assert child.returncode == -signal.SIGKILL, "generation finished before it could be killed"
     assert not (resumed / "data" / "generated").exists()
     final = generate(resumed, env)
-    assert final.wait(timeout=300) == 0, final.stderr.read()
+    printed, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err
+    assert int(re.search(r"generate: resuming after (\d+) of 12 finished chunks", printed).group(1)) >= 10
     out = "data/generated/conversations.jsonl"
     assert (resumed / out).read_bytes() == (reference / out).read_bytes()
     metrics = json.loads((resumed / "metrics" / "generate.json").read_text())
@@ -243,7 +252,7 @@ def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_ta
 
     def train(root: Path, env: dict) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=root,
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     env_ref = workspace(reference)
@@ -265,7 +274,9 @@ def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_ta
         child.wait(timeout=60)
         assert child.returncode == -signal.SIGKILL, "training finished before it could be killed"
     final = train(resumed, env)
-    assert final.wait(timeout=600) == 0, final.stderr.read()
+    printed, err = final.communicate(timeout=600)
+    assert final.returncode == 0, err
+    assert int(re.search(r"train@scratch: resuming at step (\d+)", printed).group(1)) >= kill_points[-1]
 
     checkpoint = "models/drafters/scratch/model.safetensors"
     assert (resumed / checkpoint).read_bytes() == (reference / checkpoint).read_bytes()

@@ -49,6 +49,8 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                          meta={**(meta or {}), "aux_layers": aux_layers, "hidden_size": model.config.hidden_size,
                                "dtype": dtype})
     done = writer.samples_done
+    if done:
+        print(f"{desc}: resuming after {done} of {len(samples)} samples (complete shards kept)", flush=True)
     start, tokens, nonfinite = time.perf_counter(), 0, []
     allowed = int(max_nonfinite_fraction * len(samples))
     try:

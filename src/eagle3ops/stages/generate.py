@@ -33,6 +33,9 @@ def run(cfg: Config) -> None:
             total = GenerateStats(conversations=len(conversations))
             turns = sum(m["role"] == "assistant" for c in conversations for m in c["messages"])
             regenerated, fresh_tokens = [], 0
+            finished = sum((work / f"chunk-{i:05d}.jsonl").is_file() for i in range(len(chunks)))
+            if finished:
+                print(f"generate: resuming after {finished} of {len(chunks)} finished chunks", flush=True)
             with tracked.phase("generate"), progress(turns, "generate", "turn") as bar:
                 for index, chunk in enumerate(chunks):
                     path, stats_path = work / f"chunk-{index:05d}.jsonl", work / f"chunk-{index:05d}.json"
