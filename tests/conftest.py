@@ -22,6 +22,22 @@ TEXTS = [
 ]
 
 
+# What a stage reads from its environment: tests start without any of it from the outside.
+OUTSIDE_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID",
+               "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME")
+
+
+def isolate(monkeypatch: pytest.MonkeyPatch, root: Path, tracking_uri: str | None = None) -> str:
+    """Work in `root` with no DVC/MLflow variables from outside and a tracking store of its own
+    (sqlite in `root` unless `tracking_uri` names one); returns the store's URI."""
+    monkeypatch.chdir(root)
+    for name in OUTSIDE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    uri = tracking_uri or f"sqlite:///{root}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from eagle3ops.zoo.tokenizer import train_tokenizer

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import isolate
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
@@ -17,7 +18,6 @@ from eagle3ops.cli import main
 from eagle3ops.formats.specforge import CheckpointError, load_into, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 
-ENV = ("DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
 CONVERSATIONS = "data/generated/conversations.jsonl"
 
 
@@ -33,11 +33,8 @@ def empty_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, empty_mlflow_db: Path) -> Path:
-    monkeypatch.chdir(tmp_path)
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
     shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    isolate(monkeypatch, tmp_path)
     return tmp_path
 
 

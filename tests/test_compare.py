@@ -8,6 +8,7 @@ from pathlib import Path
 import matplotlib.image
 import pandas as pd
 import pytest
+from conftest import isolate
 from mlflow import MlflowClient
 
 from eagle3ops.cli import main
@@ -15,7 +16,6 @@ from eagle3ops.compare import against_reference, select_pipelines, side_by_side,
 from eagle3ops.config import Config
 from eagle3ops.tracking import stage_run
 
-ENV = ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID")
 
 
 def _eval(load: float, decode: float, accepts: tuple[float, ...], spec_tokens_per_s: float) -> dict[str, float]:
@@ -65,10 +65,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One store with the three pipeline runs, recorded once through `stage_run` as the stages record them."""
     root = tmp_path_factory.mktemp("recorded")
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        for name in ENV:
-            mp.delenv(name, raising=False)
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+        isolate(mp, root)
         for run_name, (label, stages) in RUNS.items():
             mp.setenv("DVC_EXP_NAME", run_name)
             cfg = Config()
@@ -86,11 +83,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def client(recorded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MlflowClient:
     """A copy of the recorded store in this test's own directory, which is also the working directory."""
     shutil.copy(recorded, tmp_path / "mlflow.db")
-    monkeypatch.chdir(tmp_path)
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    return MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    return MlflowClient(isolate(monkeypatch, tmp_path))
 
 
 def run_id(client: MlflowClient, name: str) -> str:

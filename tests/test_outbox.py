@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import isolate
 from mlflow import MlflowClient
 
 from eagle3ops.cli import main
@@ -51,11 +52,8 @@ class Server:
 
 @pytest.fixture
 def workspace(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for name in ("DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
     server = Server(tmp_path, free_port())
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    isolate(monkeypatch, tmp_path, server.uri)
     (tmp_path / "drafter").mkdir()
     (tmp_path / "drafter" / "config.json").write_text("{}")
     cfg = Config()

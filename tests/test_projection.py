@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import isolate
 import yaml
 from mlflow import MlflowClient
 
@@ -20,7 +21,6 @@ from eagle3ops.projection import (Profile, ProjectionError, check_against, fetch
                                   read_target_shape, render, shipped_profiles)
 from eagle3ops.tracking import stage_run
 
-ENV = ("DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
 
 PILOT_PROFILE = {
     "name": "pilot", "gpu": "Test GPU", "gpu_count": 1, "bf16_tflops": 100, "hbm_tb_s": 1, "interconnect_gb_s": None,
@@ -96,11 +96,7 @@ def record_pipeline(mp: pytest.MonkeyPatch, experiment: str, label: str, stages:
 def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
     tmp_path = tmp_path_factory.mktemp("project")
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.chdir(tmp_path)
-        for name in ENV:
-            monkeypatch.delenv(name, raising=False)
-        uri = f"sqlite:///{tmp_path}/mlflow.db"
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        uri = isolate(monkeypatch, tmp_path)
         pilot_id = record_pipeline(monkeypatch, "pilot", "pilotbox", PILOT_STAGES)
         measured_id = record_pipeline(monkeypatch, "hero-on-big", "bigbox", MEASURED_STAGES)
     # Kimi-style config.json: the language model's settings under text_config (Config().target.path).
