@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, ConfigError, load_config
+from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, ConfigError, TrainConfig, load_config
 from eagle3ops.errors import InputError
 
 STAGES = {
@@ -87,6 +87,23 @@ def parser() -> argparse.ArgumentParser:
     project.add_argument("--measured", metavar="RUN_ID", help="a real run on target hardware: print projected vs measured")
     _store_options(project)
     project.add_argument("--out", metavar="FILE.md", help="also write the report to this file")
+    compat = commands.add_parser(
+        "check-compat", help="can this drafter be warm-started on (or served with) this target? a verdict with reasons",
+        description="Compare a drafter (SpecForge/SGLang layout) with a target model directory: vocabulary, hidden "
+                    "size, layer ids and their convention, attention shapes, positions, and, given data, how much of "
+                    "its loss-masked tokens the drafter's draft vocabulary covers. Verdict and exit code: compatible "
+                    "(0), needs_new_head (4), incompatible (5). `train@warm_start` runs the same check.")
+    compat.add_argument("target", help="target model directory (config.json)")
+    compat.add_argument("drafter", help="drafter directory (config.json + model.safetensors)")
+    compat.add_argument("--data", metavar="PATH",
+                        help="new data: a prepared split directory (data/prepared/train) or a conversations JSONL "
+                             "(tokenized with the target's tokenizer and chat template)")
+    compat.add_argument("--aux-layers", type=int, nargs=3, metavar="I",
+                        help="HF hidden-state indices the features are extracted at (default: [2, N//2, N-3])")
+    compat.add_argument("--min-coverage", type=float, default=TrainConfig.warm_start_min_coverage,
+                        help="draft-vocab coverage below which the drafter needs a new head (default: %(default)s)")
+    compat.add_argument("--max-len", type=int, default=4096, help="truncation when tokenizing a JSONL (default: %(default)s)")
+    compat.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     return main
 
 
@@ -142,7 +159,33 @@ def _project(args) -> int:
     return 0
 
 
-TOOLS = {"sync": _sync, "reproduce": _reproduce, "compare": _compare, "project": _project}
+def _check_compat(args) -> int:
+    from eagle3ops.compat import EXIT_CODES, check_compat
+    from eagle3ops.data.prepare import masked_token_counts
+
+    counts = None
+    if args.data and Path(args.data).is_dir():
+        counts = masked_token_counts(args.data)
+    elif args.data:
+        from eagle3ops.config import TargetConfig
+        from eagle3ops.data.conversations import load_conversations
+        from eagle3ops.data.prepare import tokenize_dataset
+        from eagle3ops.data.vocab import count_masked_tokens
+        from eagle3ops.modeling.target import load_tokenizer
+
+        tokenizer = load_tokenizer(TargetConfig(path=args.target))
+        samples, _ = tokenize_dataset(tokenizer, load_conversations(args.data), args.max_len, args.data)
+        counts = count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples)
+    report = check_compat(args.target, args.drafter, args.aux_layers, counts, args.min_coverage)
+    print(report.render())
+    if args.json:
+        from eagle3ops.fs import write_json_atomic
+
+        write_json_atomic(args.json, report.to_dict())
+    return EXIT_CODES[report.verdict]
+
+
+TOOLS = {"check-compat": _check_compat, "sync": _sync, "reproduce": _reproduce, "compare": _compare, "project": _project}
 
 
 def main(argv: list[str] | None = None) -> int:

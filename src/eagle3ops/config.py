@@ -50,6 +50,8 @@ class DraftShapeConfig:
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
     max_position_embeddings: Optional[int] = None
+    head_dim: Optional[int] = None  # null = hidden_size // num_attention_heads (the K2 drafter: 128, not 112)
+    rope_theta: Optional[float] = None
 
 
 @dataclass
@@ -96,12 +98,22 @@ class ZooConfig:
 @dataclass
 class TargetConfig:
     path: str = "models/zoo/successor"
+    # Who the target is, for the lineage: DVC re-runs the stages that use the target when these change, and every
+    # stage run logs them with the digest of the target's config and tokenizer files (modeling/identity.py).
+    id: str = "eagle3ops-zoo/successor"  # e.g. the Hugging Face repo id, moonshotai/Kimi-K2.5
+    revision: Optional[str] = None  # the commit of that repo the directory holds; checked against the download
+    # What dvc.yaml hashes for the target: the whole (tiny) zoo directory by default; for a real target its
+    # config.json, so that `dvc status` does not read hundreds of GB of weights (see README, "Using your own target").
+    lineage_dep: str = "models/zoo/successor"
     # Indices into Hugging Face's `output_hidden_states` tuple (0 = embeddings, i = output of decoder layer i-1).
     # null = [2, N//2, N-3]. See README, "Which layers".
     aux_layers: Optional[list[int]] = None
     dtype: str = "float32"
     device: str = "auto"
     trust_remote_code: bool = False  # run the model repository's own Python code; only for sources you trust
+    # The chat template data is rendered with: null = the tokenizer's own; llama-3 | qwen3 | kimi-k2 (shipped, see
+    # data/chat.py); or the path of a .jinja file in the project. A configured one overrides the tokenizer's.
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -141,6 +153,10 @@ class ExtractConfig:
 class TrainConfig(DrafterTrainConfig):
     out_dir: str = "models/drafters"
     warm_start: str = "models/zoo/predecessor-drafter"  # the drafter `train@warm_start` fine-tunes
+    # keep: its own draft vocabulary (d2t/t2d) and head; remap: re-head it on the new data's draft vocabulary
+    warm_start_vocab: str = "keep"
+    warm_start_optimizer: bool = False  # continue its AdamW moments (needs its training_state.pt; keep only)
+    warm_start_min_coverage: float = 0.9  # below this draft-vocab coverage of the new data: "needs a new head"
 
 
 @dataclass
@@ -187,6 +203,7 @@ class Config:
 
 GENERATE_BACKENDS = ("hf", "none")
 TRAIN_INITS = ("scratch", "warm_start")
+WARM_START_VOCABS = ("keep", "remap")
 EVAL_DRAFTERS = ("baseline", "scratch", "warm_start")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -230,7 +247,14 @@ def _check_values(cfg: Config, path: Path) -> None:
         fail("data.draft_vocab_size", "must be positive")
     if cfg.target.aux_layers is not None and len(cfg.target.aux_layers) != 3:
         fail("target.aux_layers", f"EAGLE-3 fuses exactly three layers, got {cfg.target.aux_layers}")
+    dep, target_dir = Path(cfg.target.lineage_dep), Path(cfg.target.path)
+    if dep != target_dir and target_dir not in dep.parents:
+        fail("target.lineage_dep", f"{cfg.target.lineage_dep!r} is not target.path ({cfg.target.path!r}) or a file in it")
 
+    if cfg.train.warm_start_vocab not in WARM_START_VOCABS:
+        fail("train.warm_start_vocab", f"{cfg.train.warm_start_vocab!r} is not one of {WARM_START_VOCABS}")
+    if not 0.0 <= cfg.train.warm_start_min_coverage <= 1.0:
+        fail("train.warm_start_min_coverage", "must be in [0, 1]")
     if cfg.eval.k < 1:
         fail("eval.k", "must be at least 1")
     for key, recipe in (("train", cfg.train), ("zoo.drafter_training", cfg.zoo.drafter_training)):

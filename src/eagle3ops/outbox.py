@@ -44,7 +44,7 @@ class Outbox:
     def __init__(self, root: Path, record: dict):
         self.dir = root / OUTBOX_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir(parents=True)
-        self.record = {**record, "metrics": [], "artifacts": [], "register": None, "status": "RUNNING"}
+        self.record = {**record, "metrics": [], "artifacts": [], "register": None, "status": "RUNNING", "late_tags": {}}
         self._save()
 
     def _save(self) -> None:
@@ -58,6 +58,10 @@ class Outbox:
         stored = Path("files") / str(len(self.record["artifacts"])) / Path(path).name
         _copy(Path(path), self.dir / stored)
         self.record["artifacts"].append({"file": str(stored), "artifact_path": artifact_path, "on_parent": on_parent})
+        self._save()
+
+    def tags(self, tags: dict[str, str]) -> None:
+        self.record["late_tags"].update(tags)
         self._save()
 
     def register(self, name: str, artifact_path: str, tau: float) -> None:
@@ -94,6 +98,8 @@ def sync(uri: str, root: Path) -> list[str]:
             params = [Param(k, v) for k, v in record["params"].items()]
             for first in range(0, len(params), 100):
                 client.log_batch(run_id, params=params[first : first + 100])
+        for key, value in record.get("late_tags", {}).items():
+            client.set_tag(run_id, key, value)
         metrics = [Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]]
         for first in range(0, len(metrics), 1000):
             client.log_batch(run_id, metrics=metrics[first : first + 1000])

@@ -357,6 +357,12 @@ class StageRun:
         if batch and not self._send(lambda: self._client.log_batch(self.run_id, metrics=batch)):
             self.outbox.metrics(batch)
 
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Tags learnt during the stage (a warm start's source digest, the target's identity)."""
+        tags = {key: str(value) for key, value in tags.items()}
+        if not self._send(lambda: [self._client.set_tag(self.run_id, k, v) for k, v in tags.items()]):
+            self.outbox.tags(tags)
+
     def register_drafter(self, name: str, artifact_path: str, tau: float) -> None:
         """Register this run's logged drafter artifact (see `register_drafter`)."""
         def register():
@@ -395,10 +401,12 @@ class StageRun:
 
 @contextmanager
 def stage_run(
-    cfg: Config, stage: str, variant: str | None = None, inputs: Sequence[str | Path] = ()
+    cfg: Config, stage: str, variant: str | None = None, inputs: Sequence[str | Path] = (),
+    extra_params: Mapping[str, str] | None = None,
 ) -> Iterator[StageRun]:
     """Record one stage run as a child of its pipeline's parent run; FAILED if the block raises. A tracking
-    server that cannot be reached never stops the stage: see StageRun."""
+    server that cannot be reached never stops the stage: see StageRun. `extra_params` are logged beside the
+    config's (the target's identity, modeling/identity.py)."""
     start = time.perf_counter()
     root = _root()
     uri = tracking_uri(cfg)
@@ -424,7 +432,8 @@ def stage_run(
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in input_md5s.items()},
     }
     run_name = f"{stage}@{variant}" if variant else stage
-    params = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    params = {**_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))),
+              **{key: scrub(str(value))[:MAX_PARAM_CHARS] for key, value in (extra_params or {}).items()}}
     record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
               "run_name": run_name, "tags": tags, "params": params}
 

@@ -105,8 +105,11 @@ class TrainResult:
 def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, lm_head: torch.Tensor,
                   optim: DrafterTrainConfig, seed: int, device: torch.device,
                   log: Callable[[int, dict[str, float]], None] | None = None, state: dict | None = None,
-                  checkpoint: Callable[[dict], None] | None = None, desc: str = "train") -> tuple[TrainResult, dict]:
+                  checkpoint: Callable[[dict], None] | None = None, desc: str = "train",
+                  optimizer_state: dict | None = None) -> tuple[TrainResult, dict]:
     """Train in place. Returns the result and the training state to save beside the checkpoint.
+
+    `optimizer_state` (a warm start's saved AdamW state) continues its moments under this run's settings.
 
     `checkpoint` receives the full state (weights included) every `optim.checkpoint_every` steps; passed back
     as `state`, it resumes the run exactly where it was: same batches, same optimizer and scheduler state, same
@@ -117,6 +120,8 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     lm_head = lm_head.to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    if optimizer_state is not None and state is None:
+        continue_moments(optimizer, optimizer_state)
     steps_per_epoch = math.ceil(len(train_samples) / optim.batch_size)
     total_steps = steps_per_epoch * optim.epochs
     if optim.max_steps is not None:
@@ -168,6 +173,22 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     return TrainResult(step, tokens, wall, final, history, resumed_at), snapshot()
 
 
+def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load another run's optimizer moments but keep this run's hyper-parameters (lr, betas, weight decay)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_state = saved.get("state", {})
+    mismatched = [f"parameter {i}: saved {tuple(s['exp_avg'].shape)} vs {tuple(params[i].shape)}"
+                  for i, s in saved_state.items() if i >= len(params) or s["exp_avg"].shape != params[i].shape]
+    if len(params) != sum(len(g["params"]) for g in saved.get("param_groups", [])) or mismatched:
+        raise InputError("the warm start's optimizer state does not fit the drafter's parameters"
+                         + (":\n  " + "\n  ".join(mismatched[:10]) if mismatched else ""))
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, own in zip(optimizer.param_groups, settings):
+        group.pop("initial_lr", None)
+        group.update(own)
+
+
 def _remaining(samples, batch_size, seed, done_steps, total_steps, epochs) -> Iterator[tuple[int, list]]:
     """(epoch, batch) pairs from global step `done_steps` to `total_steps`, in the order a fresh run would see."""
     step = 0
@@ -207,11 +228,13 @@ def rope_theta(hf_config) -> float:
 
 def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
                 d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
-    """A randomly initialised drafter for a target (its HF config), with the target's embedding and a vocab map."""
+    """A randomly initialised drafter for a target (its HF config; a wrapper's text config is used), with the
+    target's embedding and a vocab map."""
     if t2d.numel() != embedding.shape[0]:
         raise InputError(f"the draft vocabulary map covers {t2d.numel()} target tokens but the target has "
                          f"{embedding.shape[0]}: it was built for another tokenizer; re-run prepare")
     torch.manual_seed(seed)
+    target_config = target_config.get_text_config()
     hidden = target_config.hidden_size
     cfg = DraftConfig(
         hidden_size=hidden,
@@ -223,8 +246,9 @@ def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], e
         target_hidden_size=hidden,
         aux_layers=list(aux_layers),
         max_position_embeddings=shape.max_position_embeddings or target_config.max_position_embeddings,
-        rope_theta=rope_theta(target_config),
+        rope_theta=shape.rope_theta or rope_theta(target_config),
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        head_dim=shape.head_dim,
     )
     draft = Eagle3Draft(cfg)
     draft.embed_tokens.weight.data.copy_(embedding)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from eagle3ops.data.chat import tokenize_conversation
 from eagle3ops.data.conversations import DatasetError
 from eagle3ops.data.shards import ShardWriter, iter_samples
+from eagle3ops.data.vocab import count_masked_tokens
 
 
 @dataclass
@@ -71,6 +73,11 @@ def write_tokenized(samples: list[dict], out_dir: str | Path, meta: dict) -> dic
         writer.add(sample["id"], {"input_ids": torch.tensor(sample["input_ids"], dtype=torch.int32),
                                   "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8)})
     return writer.close()
+
+
+def masked_token_counts(directory: str | Path) -> Counter:
+    """Frequencies of the loss-masked token ids of a prepared split (what a drafter is asked to predict)."""
+    return count_masked_tokens((t["input_ids"].tolist(), t["loss_mask"].tolist()) for _, t in iter_samples(directory))
 
 
 def read_tokenized(directory: str | Path) -> list[dict]:

@@ -1,39 +1,43 @@
 """Stage `train@<init>`: train the drafter from scratch, or fine-tune an existing one (warm start)."""
+import tempfile
 from pathlib import Path
 
 import pandas as pd
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
 from eagle3ops.config import Config
+from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
-from eagle3ops.formats.specforge import CheckpointError, load_drafter, save_drafter
-from eagle3ops.fs import atomic_dir
+from eagle3ops.formats.specforge import save_drafter
+from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.metrics import PLOTS_DIR, record
-from eagle3ops.modeling.target import default_aux_layers, load_embedding_and_head, resolve_device
+from eagle3ops.modeling.identity import identity_params
+from eagle3ops.modeling.target import load_embedding_and_head, load_text_config, resolve_device
 from eagle3ops.stages.prepare import VOCAB_MAP
 from eagle3ops.resume import resume_point
 from eagle3ops.tracking import params_digest, stage_run
 from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
+from eagle3ops.warm_start import WarmStart, load_warm_start
 
 
 def run(cfg: Config, init: str) -> None:
     features = Path(cfg.extract.out_dir)
     inputs = [features, cfg.prepare.out_dir, cfg.target.path] + ([cfg.train.warm_start] if init == "warm_start" else [])
-    with stage_run(cfg, "train", variant=init, inputs=inputs) as tracked:
+    with stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target)) as tracked:
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
             aux_layers = read_manifest(features / "train")["aux_layers"]
+            vocab = load_file(str(Path(cfg.prepare.out_dir) / VOCAB_MAP))
             if init == "warm_start":
-                draft = load_drafter(cfg.train.warm_start, embedding)  # keeps the drafter's own d2t/t2d
-                trained_on = draft.cfg.aux_layers or default_aux_layers(AutoConfig.from_pretrained(cfg.target.path).num_hidden_layers)
-                if trained_on != aux_layers:
-                    raise CheckpointError(
-                        f"{cfg.train.warm_start}: the drafter was trained on target layers {trained_on} (HF hidden-state "
-                        f"indices) but {features} holds layers {aux_layers}; set target.aux_layers to {trained_on}")
+                warm = load_warm_start(cfg.train.warm_start, cfg.target.path, embedding, lm_head, aux_layers,
+                                       masked_token_counts(Path(cfg.prepare.out_dir) / "train"),
+                                       (vocab["d2t"], vocab["t2d"]), cfg.train.warm_start_vocab,
+                                       cfg.train.warm_start_optimizer, cfg.train.warm_start_min_coverage)
+                draft, optimizer_state = warm.draft, warm.optimizer_state
+                _log_warm_start(tracked, warm)
             else:
-                vocab = load_file(str(Path(cfg.prepare.out_dir) / VOCAB_MAP))
-                draft = new_drafter(AutoConfig.from_pretrained(cfg.target.path), cfg.train.draft, aux_layers,
+                warm, optimizer_state = None, None
+                draft = new_drafter(load_text_config(cfg.target), cfg.train.draft, aux_layers,
                                     embedding, vocab["d2t"], vocab["t2d"], cfg.seed)
             train_samples = load_feature_samples(features / "train", embedding.shape[1])
             eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
@@ -44,7 +48,8 @@ def run(cfg: Config, init: str) -> None:
         with tracked.phase("train"):
             result, state = train_drafter(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed,
                                           resolve_device(cfg.target.device), log=lambda step, m: tracked.log_metrics(m, step),
-                                          state=resumed, checkpoint=resume.save, desc=f"train@{init}")
+                                          state=resumed, checkpoint=resume.save, desc=f"train@{init}",
+                                          optimizer_state=optimizer_state)
         out_dir = Path(cfg.train.out_dir) / init
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state)
@@ -56,7 +61,25 @@ def run(cfg: Config, init: str) -> None:
             "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad), "train_tokens": result.tokens,
             "steps_per_s": round(result.steps_per_s, 2), "tokens_per_s": round(result.tokens_per_s, 1),
             **{key.replace("/", "_"): round(value, 4) for key, value in result.final.items()},
+            **(_warm_start_metrics(warm) if warm else {}),
         })
+
+
+def _log_warm_start(tracked, warm: WarmStart) -> None:
+    print(warm.compat.render(), flush=True)
+    if warm.compat.verdict == "needs_new_head" and warm.remapped_rows is None:
+        print("train@warm_start: warning: fine-tuning with the source's draft vocabulary as it is "
+              "(train.warm_start_vocab: keep)", flush=True)
+    tracked.set_tags({"eagle3ops.warm_start.sha256": warm.sha256, "eagle3ops.warm_start.compat": warm.compat.verdict})
+    with tempfile.TemporaryDirectory() as tmp:
+        write_json_atomic(Path(tmp) / "compat.json", warm.compat.to_dict())
+        tracked.log_artifact(Path(tmp) / "compat.json")
+
+
+def _warm_start_metrics(warm: WarmStart) -> dict:
+    return {"warm_start_sha256": warm.sha256, "warm_start_compat": warm.compat.verdict,
+            "warm_start_coverage": warm.compat.draft_vocab_coverage, "remapped_rows": warm.remapped_rows,
+            "optimizer_continued": warm.optimizer_state is not None}
 
 
 def _plot_path(init: str) -> Path:

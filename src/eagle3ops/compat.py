@@ -1,0 +1,169 @@
+"""Can this drafter be warm-started on (or served with) this target? The checks behind `eagle3ops check-compat`.
+
+A drafter reads the target's token embedding (so it needs the same vocabulary and hidden size), fuses three of
+the target's layers (so the ids must exist in the target, and must be the layers it was trained on), and
+predicts over its own draft vocabulary (so that vocabulary must cover the tokens the new data asks for).
+Each check gives a finding; the verdict is the worst of them:
+
+    compatible       warm-start as is (warnings, if any, say what to watch)
+    needs_new_head   the body fits, but the draft vocabulary covers too little of the new data: re-head it
+                     (`train.warm_start_vocab: remap`) or expect lower acceptance
+    incompatible     cannot work: another vocabulary, hidden size or layers the target does not have
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eagle3ops.config import TrainConfig
+from eagle3ops.data.vocab import build_vocab_map, coverage
+from eagle3ops.errors import InputError
+from eagle3ops.formats.specforge import WEIGHTS, read_config, read_weights
+from eagle3ops.modeling.draft import DraftConfig
+from eagle3ops.modeling.target import default_aux_layers, text_config
+
+VERDICTS = ("compatible", "needs_new_head", "incompatible")  # from best to worst
+EXIT_CODES = {"compatible": 0, "needs_new_head": 4, "incompatible": 5}
+
+
+class IncompatibleDrafter(InputError):
+    """A warm start that cannot work; the message lists the reasons."""
+
+
+@dataclass
+class Finding:
+    check: str  # vocabulary | hidden_size | layers | draft_vocab | attention | positions | rope
+    level: str  # ok | warning | needs_new_head | incompatible
+    message: str
+
+
+@dataclass
+class CompatReport:
+    target: str
+    drafter: str
+    findings: list[Finding] = field(default_factory=list)
+    draft_vocab_coverage: float | None = None  # share of the new data's loss-masked tokens the drafter can express
+    best_coverage: float | None = None  # what a draft vocabulary of the same size built from that data would reach
+
+    @property
+    def verdict(self) -> str:
+        levels = {f.level for f in self.findings}
+        return next((v for v in reversed(VERDICTS) if v in levels), "compatible")
+
+    def add(self, check: str, level: str, message: str) -> None:
+        self.findings.append(Finding(check, level, message))
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, **asdict(self)}
+
+    def render(self) -> str:
+        marks = {"ok": "ok", "warning": "WARN", "needs_new_head": "HEAD", "incompatible": "FAIL"}
+        lines = [f"target:  {self.target}", f"drafter: {self.drafter}", ""]
+        lines += [f"[{marks[f.level]:>4}] {f.check}: {f.message}" for f in self.findings]
+        lines += ["", f"verdict: {self.verdict}"]
+        return "\n".join(lines)
+
+
+def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: list[int] | None = None,
+                 data_counts: Counter | None = None, min_coverage: float = TrainConfig.warm_start_min_coverage,
+                 drafter: DraftConfig | None = None) -> CompatReport:
+    """Compare a drafter's config with a target's config (and, given token counts of the new data's
+    loss-masked tokens, its draft vocabulary with that data). `aux_layers` are the HF hidden-state indices the
+    features are (or will be) extracted at; None = the target's default [2, N//2, N-3]."""
+    target = text_config(target_dir)
+    cfg = drafter or read_config(drafter_dir)
+    report = CompatReport(str(target_dir), str(drafter_dir))
+    _vocabulary(report, cfg, target)
+    _hidden_size(report, cfg, target)
+    _layers(report, cfg, target, aux_layers)
+    _attention(report, cfg, target)
+    if data_counts is not None:
+        _draft_vocab(report, cfg, data_counts, min_coverage, drafter_dir)
+    return report
+
+
+def _vocabulary(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
+    vocab = target.get("vocab_size")
+    if vocab != cfg.vocab_size:
+        report.add("vocabulary", "incompatible",
+                   f"the drafter was built for a vocabulary of {cfg.vocab_size} tokens, the target has {vocab}: it "
+                   f"reads the target's embedding and maps draft ids to target ids, both by token id")
+    else:
+        report.add("vocabulary", "ok", f"{vocab} tokens on both sides (same size; the draft-vocabulary coverage "
+                                        f"below shows whether the ids also mean the same tokens)")
+
+
+def _hidden_size(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
+    hidden = target.get("hidden_size")
+    problems = []
+    if cfg.hidden_size != hidden:
+        problems.append(f"hidden_size {cfg.hidden_size} (it reads the target's {hidden}-wide embedding)")
+    if cfg.target_hidden_size != hidden:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} (fc expects 3 x {cfg.target_hidden_size} "
+                        f"features, the target gives 3 x {hidden})")
+    if problems:
+        report.add("hidden_size", "incompatible", "the drafter has " + "; ".join(problems))
+    else:
+        report.add("hidden_size", "ok", f"{hidden} on both sides")
+
+
+def _layers(report: CompatReport, cfg: DraftConfig, target: dict, aux_layers: list[int] | None) -> None:
+    depth = target["num_hidden_layers"]
+    default = default_aux_layers(depth)
+    trained = cfg.aux_layers or default
+    origin = ("config eagle_aux_hidden_state_layer_ids (SGLang ids "
+              f"{[i - 1 for i in trained]})" if cfg.aux_layers else "no ids in its config: the engines' default")
+    bad = [i for i in trained if not 0 <= i < depth]
+    if bad:
+        report.add("layers", "incompatible", f"the drafter reads HF hidden-state indices {trained} ({origin}); "
+                                             f"{bad} do not exist in a target with {depth} decoder layers")
+        return
+    wanted = list(aux_layers) if aux_layers is not None else default
+    engines = (f"SGLang feeds it HF indices {trained}; vLLM reads the same ids as layer inputs, i.e. HF indices "
+               f"{[i - 1 for i in trained]}, unless the export writes them in vLLM's convention (`eagle3ops export` does)")
+    if wanted != trained:
+        report.add("layers", "warning",
+                   f"the drafter was trained on HF hidden-state indices {trained} ({origin}) but the features are "
+                   f"extracted at {wanted}: fine-tuning would first have to unlearn its fc layer, and served as is "
+                   f"it sees other layers than it learned; set target.aux_layers to {trained}. {engines}")
+    else:
+        report.add("layers", "ok", f"HF hidden-state indices {trained} ({origin}). {engines}")
+
+
+def _attention(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
+    shape = (f"{cfg.num_attention_heads} heads x {cfg.head_dim} / {cfg.num_key_value_heads} kv heads, "
+             f"intermediate {cfg.intermediate_size}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        report.add("attention", "incompatible", f"{shape}: kv heads must divide the heads")
+    else:
+        report.add("attention", "ok", shape + " (the drafter's own; independent of the target's attention)")
+    positions = target.get("max_position_embeddings")
+    if positions and cfg.max_position_embeddings < positions:
+        report.add("positions", "warning",
+                   f"max_position_embeddings {cfg.max_position_embeddings} < the target's {positions}: engines size "
+                   f"the drafter's rotary cache from it, and acceptance collapses on longer contexts; "
+                   f"the export raises it to the target's")
+    theta = (target.get("rope_parameters") or {}).get("rope_theta") or target.get("rope_theta")
+    if theta and float(theta) != cfg.rope_theta:
+        report.add("rope", "warning", f"the drafter's rope_theta {cfg.rope_theta} differs from the target's {theta}; "
+                                      f"it is the drafter's own setting, kept as trained")
+
+
+def _draft_vocab(report: CompatReport, cfg: DraftConfig, counts: Counter, min_coverage: float,
+                 drafter_dir: str | Path) -> None:
+    t2d = read_weights(drafter_dir).get("t2d") if (Path(drafter_dir) / WEIGHTS).is_file() else None
+    if t2d is None or t2d.numel() != cfg.vocab_size or any(not 0 <= t < t2d.numel() for t in counts):
+        report.add("draft_vocab", "warning", "coverage not measured: the drafter's t2d does not fit the data's ids")
+        return
+    report.draft_vocab_coverage = round(coverage(counts, t2d), 4)
+    _, best = build_vocab_map(counts, cfg.vocab_size, cfg.draft_vocab_size)
+    report.best_coverage = round(coverage(counts, best), 4)
+    summary = (f"the drafter's {cfg.draft_vocab_size}-token draft vocabulary covers {report.draft_vocab_coverage:.1%} "
+               f"of the new data's loss-masked tokens; one built from this data would cover {report.best_coverage:.1%}")
+    if report.draft_vocab_coverage < min_coverage:
+        report.add("draft_vocab", "needs_new_head",
+                   f"{summary}. Below {min_coverage:.0%}: every token outside it is a guaranteed rejection. "
+                   f"Re-head the drafter (train.warm_start_vocab: remap) or train from scratch")
+    else:
+        report.add("draft_vocab", "ok", summary)

@@ -1,0 +1,100 @@
+"""Warm start: an existing drafter, checked against the target and the new data, ready to fine-tune.
+
+- It keeps the source drafter's d2t/t2d: its lm_head rows are tied to them, and re-deriving them from the new
+  data would silently give every row another token's meaning.
+- When its draft vocabulary covers too little of the new data (`check-compat` says needs_new_head),
+  `train.warm_start_vocab: remap` re-heads it instead: the new data's draft vocabulary, with the old lm_head
+  row for every token both vocabularies share and the target's own lm_head row for each new token.
+- `train.warm_start_optimizer: true` also continues the source's AdamW moments (when it was saved with them).
+- The source's files are digested (sha256), so the lineage says exactly which drafter was fine-tuned.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3ops.config import TrainConfig
+from eagle3ops.compat import CompatReport, IncompatibleDrafter, check_compat
+from eagle3ops.data.shards import sha256_file
+from eagle3ops.data.vocab import draft_to_target_ids
+from eagle3ops.errors import InputError
+from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError, load_drafter
+from eagle3ops.modeling.draft import Eagle3Draft
+
+
+@dataclass
+class WarmStart:
+    draft: Eagle3Draft
+    compat: CompatReport
+    sha256: str  # of the source drafter's files
+    remapped_rows: int | None = None  # new-vocabulary rows that had no row in the source head (remap only)
+    optimizer_state: dict | None = None
+
+
+def drafter_sha256(directory: str | Path) -> str:
+    """One digest over every file of a drafter directory (names and contents)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(directory).as_posix()}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def rehead(draft: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor) -> int:
+    """Give `draft` a new draft vocabulary (d2t [Vd'], t2d [V]) in place; returns how many rows are new.
+
+    Row r of the new head predicts target token tok(r): it is the old row of tok(r) if the old vocabulary had
+    it, else the target's lm_head row of tok(r) (the drafter's last hidden state lives in the target's space).
+    """
+    old_ids, new_ids = draft_to_target_ids(draft.d2t), draft_to_target_ids(d2t)  # [Vd], [Vd'] target ids
+    old_row = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.int64)
+    old_row[old_ids] = torch.arange(old_ids.numel())
+    source = old_row[new_ids]  # [Vd'] old row per new row, -1 where the token is new
+    kept = source >= 0
+    weight = target_lm_head[new_ids].to(draft.lm_head.weight.dtype).clone()  # [Vd', H]
+    weight[kept] = draft.lm_head.weight.detach()[source[kept]]
+    draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    draft.lm_head.weight.data.copy_(weight)
+    draft.d2t, draft.t2d = d2t.clone(), t2d.clone()
+    draft.cfg.draft_vocab_size = d2t.numel()
+    return int((~kept).sum())
+
+
+def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch.Tensor, lm_head: torch.Tensor,
+                    aux_layers: list[int], counts: Counter, new_vocab: tuple[torch.Tensor, torch.Tensor],
+                    vocab: str = "keep", resume_optimizer: bool = False,
+                    min_coverage: float = TrainConfig.warm_start_min_coverage) -> WarmStart:
+    """The source drafter, after `check_compat` against the target and the new data's loss-masked token counts.
+
+    Refuses an incompatible drafter, and one trained on other layers than the features hold."""
+    report = check_compat(target_dir, source, aux_layers, counts, min_coverage)
+    if report.verdict == "incompatible":
+        reasons = [f"{f.check}: {f.message}" for f in report.findings if f.level == "incompatible"]
+        raise IncompatibleDrafter(f"{source}: cannot warm-start on {target_dir}:\n  " + "\n  ".join(reasons))
+    layers = next(f for f in report.findings if f.check == "layers")
+    if layers.level != "ok":
+        raise CheckpointError(f"{source}: {layers.message}")
+    draft = load_drafter(source, embedding)
+    sha = drafter_sha256(source)
+    if vocab == "keep":
+        return WarmStart(draft, report, sha, optimizer_state=_optimizer_state(source) if resume_optimizer else None)
+    if resume_optimizer:
+        raise InputError("train.warm_start_optimizer: the source's optimizer moments belong to its old head; "
+                         "they cannot be continued with train.warm_start_vocab: remap")
+    return WarmStart(draft, report, sha, remapped_rows=rehead(draft, *new_vocab, lm_head))
+
+
+def _optimizer_state(source: str | Path) -> dict:
+    path = Path(source) / TRAINING_STATE
+    if not path.is_file():
+        raise CheckpointError(f"{source}: train.warm_start_optimizer is true but there is no {TRAINING_STATE}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - pickle and zip errors alike mean "not a state we can read"
+        raise CheckpointError(f"{path}: not a training state eagle3ops can read safely ({err})") from None
+    if not isinstance(state, dict) or "optimizer" not in state:
+        raise CheckpointError(f"{path}: holds no 'optimizer' state")
+    return state["optimizer"]

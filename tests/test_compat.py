@@ -1,0 +1,206 @@
+"""check-compat verdicts, and the warm start built on them: refusal, re-heading, optimizer moments, digest."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3ops.cli import main
+from eagle3ops.compat import IncompatibleDrafter, check_compat
+from eagle3ops.config import OptimConfig
+from eagle3ops.data.vocab import build_vocab_map, coverage, draft_to_target_ids
+from eagle3ops.formats.specforge import CheckpointError, load_drafter, read_weights, save_drafter
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.modeling.target import load_embedding_and_head
+from eagle3ops.training import continue_moments
+from eagle3ops.warm_start import drafter_sha256, load_warm_start, rehead
+
+VOCAB, HIDDEN, LAYERS = 302, 32, [1, 2, 3]  # the tiny target of conftest.py: 4 layers, hidden 32
+DATA = Counter({token: 100 - token % 50 for token in range(40, 140)})  # loss-masked token counts of "new data"
+
+
+def make_drafter(path: Path, vocab: int = VOCAB, hidden: int = HIDDEN, layers: list[int] = LAYERS,
+                 tokens: range = range(40, 140), draft_vocab: int = 100, max_positions: int = 512) -> Path:
+    """A drafter whose draft vocabulary is `tokens` (padded with the lowest other ids), saved at `path`."""
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                      vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden, aux_layers=layers,
+                      max_position_embeddings=max_positions)
+    draft = Eagle3Draft(cfg)
+    d2t, t2d = build_vocab_map(Counter({t: 1 for t in tokens}), vocab, draft_vocab)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    save_drafter(draft, path)
+    return path
+
+
+def levels(report) -> dict[str, str]:
+    return {f.check: f.level for f in report.findings}
+
+
+def test_same_family_drafter_is_compatible(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d"), LAYERS, DATA)
+    assert report.verdict == "compatible"
+    assert report.draft_vocab_coverage == 1.0 and report.best_coverage == 1.0
+    assert set(levels(report).values()) == {"ok"}
+
+
+def test_other_vocabulary_size_is_incompatible(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", vocab=400), LAYERS)
+    assert report.verdict == "incompatible"
+    message = next(f.message for f in report.findings if f.check == "vocabulary")
+    assert "400" in message and "302" in message
+
+
+def test_other_hidden_size_is_incompatible(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", hidden=64), LAYERS)
+    assert levels(report)["hidden_size"] == "incompatible" and report.verdict == "incompatible"
+
+
+def test_other_layer_ids_warn_and_say_what_they_mean(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", layers=[1, 2, 3]), [0, 2, 3], DATA)
+    assert report.verdict == "compatible" and levels(report)["layers"] == "warning"
+    message = next(f.message for f in report.findings if f.check == "layers")
+    # the ids as trained (HF indices), as written in the config (SGLang ids), what vLLM would feed, the fix
+    assert "[1, 2, 3]" in message and "SGLang ids [0, 1, 2]" in message and "[0, 2, 3]" in message
+    assert "set target.aux_layers to [1, 2, 3]" in message and "vLLM" in message
+
+
+def test_layer_ids_beyond_the_target_are_incompatible(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", layers=[1, 2, 9]), LAYERS)
+    assert levels(report)["layers"] == "incompatible"
+
+
+def test_low_draft_vocab_coverage_needs_a_new_head(tmp_path, tiny_target_dir):
+    drafter = make_drafter(tmp_path / "d", tokens=range(150, 250))  # knows none of the data's tokens 40..139
+    report = check_compat(tiny_target_dir, drafter, LAYERS, DATA)
+    assert report.verdict == "needs_new_head"
+    assert report.draft_vocab_coverage < 0.1 and report.best_coverage == 1.0
+    assert "remap" in next(f.message for f in report.findings if f.check == "draft_vocab")
+
+
+def test_short_max_positions_warns(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", max_positions=128), LAYERS)
+    assert levels(report)["positions"] == "warning" and report.verdict == "compatible"
+
+
+def test_cli_exit_codes_and_json(tmp_path, tiny_target_dir, capsys):
+    good, bad = make_drafter(tmp_path / "good"), make_drafter(tmp_path / "bad", vocab=400)
+    out = tmp_path / "report.json"
+    assert main(["check-compat", str(tiny_target_dir), str(good), "--aux-layers", "1", "2", "3",
+                 "--json", str(out)]) == 0
+    assert "verdict: compatible" in capsys.readouterr().out
+    assert json.loads(out.read_text())["verdict"] == "compatible"
+    assert main(["check-compat", str(tiny_target_dir), str(bad), "--aux-layers", "1", "2", "3"]) == 5
+    assert "[FAIL] vocabulary" in capsys.readouterr().out
+    assert main(["check-compat", str(tiny_target_dir), str(tmp_path / "missing")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_cli_measures_coverage_on_a_conversations_file(tmp_path, tiny_target_dir, tiny_tokenizer, capsys):
+    conversations = tmp_path / "chats.jsonl"
+    conversations.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "Hello world"},
+                                                                 {"role": "assistant", "content": f"The answer is {i}."}]})
+                                       for i in range(5)) + "\n")
+    drafter = make_drafter(tmp_path / "d", tokens=range(250, 300))
+    code = main(["check-compat", str(tiny_target_dir), str(drafter), "--aux-layers", "1", "2", "3",
+                 "--data", str(conversations)])
+    assert code == 4 and "[HEAD] draft_vocab" in capsys.readouterr().out
+
+
+def warm_start(tmp_path, target_dir, drafter, counts=DATA, **options):
+    embedding, lm_head = load_embedding_and_head(target_dir)
+    new_vocab = build_vocab_map(counts, VOCAB, 100)
+    return load_warm_start(drafter, target_dir, embedding, lm_head, LAYERS, counts, new_vocab, **options), lm_head
+
+
+def test_warm_start_refuses_an_incompatible_drafter(tmp_path, tiny_target_dir):
+    with pytest.raises(IncompatibleDrafter, match="vocabulary"):
+        warm_start(tmp_path, tiny_target_dir, make_drafter(tmp_path / "d", vocab=400))
+
+
+def test_warm_start_refuses_features_from_other_layers(tmp_path, tiny_target_dir):
+    with pytest.raises(CheckpointError, match="set target.aux_layers to"):
+        warm_start(tmp_path, tiny_target_dir, make_drafter(tmp_path / "d", layers=[0, 1, 2]))
+
+
+def test_warm_start_keeps_the_source_vocabulary_and_records_its_digest(tmp_path, tiny_target_dir):
+    source = make_drafter(tmp_path / "d", tokens=range(150, 250))
+    warm, _ = warm_start(tmp_path, tiny_target_dir, source)
+    assert warm.compat.verdict == "needs_new_head" and warm.remapped_rows is None
+    assert torch.equal(draft_to_target_ids(warm.draft.d2t), torch.arange(150, 250))
+    assert warm.sha256 == drafter_sha256(source)
+    (source / "config.json").write_text((source / "config.json").read_text() + " ")
+    assert drafter_sha256(source) != warm.sha256
+
+
+def test_remap_reheads_with_old_rows_for_shared_tokens_and_target_rows_for_new_ones(tmp_path, tiny_target_dir):
+    source = make_drafter(tmp_path / "d", tokens=range(90, 190))  # shares tokens 90..139 with the data
+    weights = read_weights(source)
+    old_head = {int(t): row for t, row in zip(draft_to_target_ids(weights["d2t"]), weights["lm_head.weight"])}
+    warm, lm_head = warm_start(tmp_path, tiny_target_dir, source, vocab="remap")
+    ids = draft_to_target_ids(warm.draft.d2t)
+    assert torch.equal(ids, torch.arange(40, 140)) and warm.draft.t2d.sum() == 100
+    assert coverage(DATA, warm.draft.t2d) == 1.0
+    assert warm.remapped_rows == 50
+    for row, token in enumerate(ids.tolist()):
+        expected = old_head[token] if token in old_head else lm_head[token]
+        assert torch.equal(warm.draft.lm_head.weight[row].detach(), expected), token
+    assert warm.draft.cfg.draft_vocab_size == 100
+    feature = warm.draft.fuse(torch.zeros(1, 5, 3 * HIDDEN))
+    _, logits = warm.draft.step(torch.zeros(1, 5, dtype=torch.long), feature, torch.arange(5)[None], ttt_cache=[])
+    assert logits.shape == (1, 5, 100)
+
+
+def test_rehead_to_a_larger_draft_vocabulary(tmp_path, tiny_target_dir):
+    embedding, lm_head = load_embedding_and_head(tiny_target_dir)
+    draft = load_drafter(make_drafter(tmp_path / "d"), embedding)
+    d2t, t2d = build_vocab_map(Counter({t: 1 for t in range(20, 180)}), VOCAB, 160)
+    assert rehead(draft, d2t, t2d, lm_head) == 60
+    assert draft.lm_head.weight.shape == (160, HIDDEN) and draft.cfg.draft_vocab_size == 160
+
+
+def test_optimizer_moments_continue_with_this_runs_settings(tmp_path, tiny_target_dir):
+    source = make_drafter(tmp_path / "d")
+    warm, _ = warm_start(tmp_path, tiny_target_dir, source)
+    params = [p for p in warm.draft.parameters() if p.requires_grad]
+    old = torch.optim.AdamW(params, lr=5e-2, betas=(0.8, 0.9))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    old.step()
+    torch.save({"optimizer": old.state_dict(), "step": 1}, source / "training_state.pt")
+    warm, _ = warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
+    fresh_params = [p for p in warm.draft.parameters() if p.requires_grad]
+    ours = OptimConfig(lr=1e-4)
+    new = torch.optim.AdamW(fresh_params, lr=ours.lr, betas=tuple(ours.betas))
+    continue_moments(new, warm.optimizer_state)
+    assert new.param_groups[0]["lr"] == 1e-4 and new.param_groups[0]["betas"] == (0.9, 0.95)
+    for index, p in enumerate(fresh_params):
+        assert torch.equal(new.state[p]["exp_avg"], old.state[params[index]]["exp_avg"])
+
+
+def test_optimizer_state_must_fit_and_needs_keep(tmp_path, tiny_target_dir):
+    source = make_drafter(tmp_path / "d")
+    with pytest.raises(CheckpointError, match="no training_state.pt"):
+        warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
+    torch.save({"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, source / "training_state.pt")
+    with pytest.raises(Exception, match="remap"):
+        warm_start(tmp_path, tiny_target_dir, source, vocab="remap", resume_optimizer=True)
+    warm, _ = warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
+    optimizer = torch.optim.AdamW([p for p in warm.draft.parameters() if p.requires_grad])
+    with pytest.raises(Exception, match="does not fit"):
+        continue_moments(optimizer, warm.optimizer_state)
+
+
+class NeedsCode:
+    """Unpickling this would run this module's code: weights_only refuses it."""
+
+
+def test_training_state_that_needs_code_is_refused(tmp_path, tiny_target_dir):
+    source = make_drafter(tmp_path / "d")
+    torch.save({"optimizer": NeedsCode()}, source / "training_state.pt")
+    with pytest.raises(CheckpointError, match="cannot read safely|can read safely"):
+        warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
