@@ -1,6 +1,10 @@
 """Shared fixtures: a tiny BPE tokenizer with the Kimi-style chat template and a tiny random Llama target."""
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,31 @@ def isolate(monkeypatch: pytest.MonkeyPatch, root: Path, tracking_uri: str | Non
     uri = tracking_uri or f"sqlite:///{root}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine: a second thread costs more in waiting than it computes.
+    A test module that runs many of them uses it for all its tests (autouse in the module)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@contextmanager
+def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 (a free port) answering with `handler`; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="session")

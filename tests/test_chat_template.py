@@ -191,11 +191,22 @@ def test_truncation(tiny_tokenizer):
 
 
 def test_inconsistent_template_is_an_input_error(tiny_tokenizer):
-    """A template whose prefix rendering is not a prefix of the whole cannot be used to locate spans."""
+    """A template that writes the history differently as a prompt than within the whole cannot locate a turn."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = (  # numbers messages from the end: every earlier message changes as the conversation grows
+        "{%- for message in messages -%}<|im_user|>{{ loop.revindex }}<|im_middle|>{{ message['content'] }}<|im_end|>"
+        "{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    )
+    with pytest.raises(InputError, match="assistant turn 1: .* prefixes are not consistent"):
+        tokenize_conversation(tok, TWO_ROUNDS, max_len=4096)
+
+
+def test_turn_without_special_end_marker_is_an_input_error(tiny_tokenizer):
+    """With no special token closing a turn there is no telling where the assistant stopped."""
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = (
         "{%- for message in messages -%}[{{ message['role'] }}]{{ message['content'] }}{%- endfor -%}"
         "{%- if not add_generation_prompt -%}[done]{%- endif -%}"
     )
-    with pytest.raises(InputError, match="prefixes"):
+    with pytest.raises(InputError, match="assistant turn 1: .* no special token"):
         tokenize_conversation(tok, TWO_ROUNDS, max_len=4096)

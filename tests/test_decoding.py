@@ -5,13 +5,22 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle3ops.config import ConfigError, load_config
 from eagle3ops.data.shards import iter_samples
-from eagle3ops.decoding.speculative import AcceptanceStats, speculative_greedy, target_greedy
+from eagle3ops.decoding.batching import TargetBatch
+from eagle3ops.decoding.settings import DecodingError, SpecSettings
+from eagle3ops.decoding.speculative import (AcceptanceStats, speculative_generate, speculative_greedy,
+                                            target_generate, target_greedy)
+from eagle3ops.decoding.tree import Candidates, DraftTree
+from eagle3ops.errors import InputError
 from eagle3ops.extraction import extract_features
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import TargetError, capture, resolve_aux_layers
 
 V, H, LAYERS = 64, 32, 6
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +109,128 @@ def test_full_acceptance_when_the_drafter_agrees(target):
     tokens, stats = speculative_greedy(constant, draft, prompt, k=3, max_new_tokens=17, eos_ids={V - 1})
     assert tokens == target_greedy(constant, prompt, 17, {V - 1}) == [0] * 17
     assert stats.tau == 4.0 and stats.per_position == [1.0, 1.0, 1.0]
+
+
+# --- trees, batches, the target-side cache with holes -------------------------------------------------------
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V - 1, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_tree_forward_with_holes_matches_each_branch_alone(target, attention):
+    """One cached forward of a tree with a 4D mask, on left-padded rows that already hold holes, gives every
+    node the logits a plain uncached forward of the prompt + accepted tokens + its own branch gives."""
+    target = copy.deepcopy(target)
+    target.set_attn_implementation(attention)
+    prompts = prompts_of([3, 6])
+    tree = DraftTree(tokens=[11, 12, 13, 14, 15], parents=[0, 0, 1, 1, 3])  # blocks: root 0, nodes 1..5
+    batch = TargetBatch(target, 2)
+    with torch.no_grad():
+        batch.prefill(prompts)
+        history = [list(p) for p in prompts]
+        for path_per_row in ([[0, 1, 3], [0, 2]], [[0, 2], [0, 1, 4, 5]]):  # two rounds: the first leaves holes
+            roots = [h[-1] + 1 for h in history]
+            ids = torch.tensor([[root, *tree.tokens] for root in roots])
+            depths = torch.tensor([tree.depths()] * 2)
+            logits = batch.forward(ids, depths, torch.stack([tree.ancestor_mask()] * 2))
+            for row in range(2):
+                for block in range(len(tree.tokens) + 1):
+                    branch = [block]
+                    while branch[-1] != 0:
+                        branch.append(tree.parents[branch[-1] - 1])
+                    alone = history[row] + [int(ids[row, b]) for b in reversed(branch)]
+                    expected = target(input_ids=torch.tensor([alone])).logits[0, -1]
+                    torch.testing.assert_close(logits[row, block], expected, rtol=1e-4, atol=1e-4)
+            keep = torch.zeros(ids.shape, dtype=torch.bool)
+            for row, path in enumerate(path_per_row):
+                keep[row, path] = True
+                history[row] += [int(ids[row, b]) for b in path]
+            batch.commit(keep)
+        assert batch.lengths.tolist() == [len(h) for h in history]
+        # the padded prompts, then each round up to its last kept block
+        assert batch.cache.get_seq_length() == batch.valid.shape[1] == 6 + 4 + 6
+
+
+def test_candidates_keep_sglang_best_nodes_and_their_parents():
+    # root children a (0.6), b (0.3); a's children c (0.6 * 0.5), d (0.6 * 0.4); b's e (0.3 * 0.9) ...
+    found = Candidates(tokens=[1, 2, 3, 4, 5, 6], scores=[0.6, 0.3, 0.3, 0.24, 0.27, 0.03],
+                       parents=[-1, -1, 0, 0, 1, 1])
+    tree = found.best(4)  # 0.6, 0.3 (b before its tie c: earlier record), 0.3, 0.27
+    assert tree.tokens == [1, 2, 3, 5] and tree.parents == [0, 0, 1, 2]
+    assert tree.depths() == [0, 1, 1, 2, 2]
+    assert tree.walk(lambda block: {0: 2, 2: 5, 4: 9}[block]) == ([0, 2, 4], 9)
+
+
+@pytest.mark.parametrize("k, topk, num_draft_tokens", [(3, 2, 6), (2, 3, 8), (4, 2, None)])
+def test_greedy_tree_equals_target_greedy(target, k, topk, num_draft_tokens):
+    settings = SpecSettings(k=k, topk=topk, num_draft_tokens=num_draft_tokens)
+    prompt = prompts_of([7], seed=k)[0]
+    [result] = speculative_generate(target, drafter(target, topk), [prompt], settings, 24, {V - 1})
+    assert result.tokens == target_greedy(target, prompt, 24, {V - 1})
+    assert 0 <= result.stats.accepted <= k * result.stats.steps
+
+
+@pytest.mark.parametrize("settings", [SpecSettings(k=3), SpecSettings(k=3, topk=2, num_draft_tokens=6),
+                                      SpecSettings(k=2, temperature=1.0, top_p=0.9),
+                                      SpecSettings(k=3, temperature=0.8, draft_sample_method="probabilistic"),
+                                      SpecSettings(k=2, topk=2, num_draft_tokens=5, temperature=1.0)],
+                         ids=["chain", "tree", "chain-sampled", "chain-probabilistic", "tree-sampled"])
+def test_batch_rows_equal_single_runs(target, settings):
+    """Rows of different lengths and acceptance in one batch decode exactly as each alone (same draws: row i
+    uses seed + i), so no row reads another's padding, holes or stale draft features."""
+    prompts, draft, eos = prompts_of([2, 9, 5, 4], seed=3), drafter(target, 1), {V - 1}
+    batched = speculative_generate(target, draft, prompts, settings, 16, eos, seed=10)
+    for i, prompt in enumerate(prompts):
+        [alone] = speculative_generate(target, draft, [prompt], settings, 16, eos, seed=10 + i)
+        assert batched[i].tokens == alone.tokens
+        assert batched[i].stats == alone.stats
+        if settings.greedy:
+            assert alone.tokens == target_greedy(target, prompt, 16, eos)
+    merged = AcceptanceStats.merged(settings.k, [g.stats for g in batched])
+    assert merged.steps == sum(g.stats.steps for g in batched)
+
+
+def test_batched_target_generate_equals_target_greedy(target):
+    prompts, eos = prompts_of([1, 8, 4], seed=5), {V - 1}
+    assert target_generate(target, prompts, 12, eos) == [target_greedy(target, p, 12, eos) for p in prompts]
+
+
+@pytest.mark.parametrize("num_draft_tokens, per_position", [(11, [1.0, 1.0, 1.0]), (7, [1.0, 1.0, 0.0])])
+def test_tree_acceptance_when_the_drafter_agrees(target, num_draft_tokens, per_position):
+    """Both models always pick id 0 (lowest id among ties); the drafter's probabilities are uniform. With all
+    2 + 4 + 4 candidates the tree holds the path 0, 0, 0; with a budget of 6 only depths 1 and 2 fit (scores
+    1/32 and 1/32^2 beat 1/32^3): the accepted length is the path length, not the node count."""
+    constant = copy.deepcopy(target)
+    constant.model.norm.weight.data.zero_()
+    draft = drafter(constant)
+    draft.norm.weight.data.zero_()
+    settings = SpecSettings(k=3, topk=2, num_draft_tokens=num_draft_tokens)
+    [result] = speculative_generate(constant, draft, [[5, 6, 7, 8]], settings, 13, {V - 1})
+    assert result.tokens == [0] * 13
+    assert result.stats.per_position == per_position and result.stats.tau == 1 + sum(per_position)
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"k": 0}, "k"), ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"),
+    ({"k": 3, "num_draft_tokens": 3}, "num_draft_tokens"),  # a chain verifies k + 1
+    ({"k": 2, "topk": 2, "num_draft_tokens": 8}, "num_draft_tokens"),  # only 2 + 4 nodes exist
+    ({"topk": 2, "temperature": 1.0, "draft_sample_method": "probabilistic"}, "draft_sample_method"),
+    ({"draft_sample_method": "beam"}, "draft_sample_method")])
+def test_settings_that_cannot_work_are_refused(kwargs, key):
+    with pytest.raises(DecodingError) as err:
+        SpecSettings(**kwargs)
+    assert err.value.key == key and isinstance(err.value, InputError)
+
+
+def test_params_name_the_bad_eval_key(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("seed: 0\n")
+    with pytest.raises(ConfigError, match=r"key 'eval.num_draft_tokens': a chain \(topk 1\) verifies k \+ 1 = 4"):
+        load_config(params, ["eval.num_draft_tokens=5"])
+    with pytest.raises(ConfigError, match=r"key 'eval.batch_size': must be at least 1"):
+        load_config(params, ["eval.batch_size=0"])
+    cfg = load_config(params, ["eval.topk=2", "eval.num_draft_tokens=6", "eval.temperature=0.7"])
+    assert SpecSettings.from_config(cfg.eval) == SpecSettings(k=3, topk=2, num_draft_tokens=6, temperature=0.7)

@@ -27,7 +27,7 @@ MICRO = [
     "train.epochs=1", "train.max_steps=12", "train.log_every=4", "eval.max_new_tokens=24",
 ]
 ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
-              "eval@scratch", "eval@warm_start", "report"]
+              "eval@scratch", "eval@warm_start", "export", "report"]
 
 pytestmark = pytest.mark.e2e
 
@@ -146,7 +146,7 @@ def test_reproduce_gives_identical_hashes(repo, first_run):
     output = run(["eagle3ops", "reproduce", first.run_id, "--tracking-uri", uri, "--json", "reproduced.json"], repo)
     result = json.loads((repo / "reproduced.json").read_text())
     data_and_models = [o for o in result["outputs"] if o["kind"] == "result"]
-    assert len(data_and_models) == 9 and all(o["identical"] for o in data_and_models), output
+    assert len(data_and_models) == 10 and all(o["identical"] for o in data_and_models), output
     taus = [m for m in result["metrics"] if m["metric"] == "tau"]
     assert len(taus) == 3 and all(m["delta"] == 0 for m in taus)
     rerun = next(p for p in pipelines(repo) if p.tags.get("eagle3ops.reproduces") == first.run_id)
@@ -156,7 +156,8 @@ def test_reproduce_gives_identical_hashes(repo, first_run):
 def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     before = lock_md5(repo, "train@scratch", "models/drafters/scratch")
     output = run(["dvc", "exp", "run", "-S", "train.lr=0.001", "-n", "lr-1e-3"], repo)
-    assert ran_stages(output) == ["train@scratch", "train@warm_start", "eval@scratch", "eval@warm_start", "report"]
+    assert ran_stages(output) == ["train@scratch", "train@warm_start", "eval@scratch", "eval@warm_start", "export",
+                                  "report"]
     assert lock_md5(repo, "train@scratch", "models/drafters/scratch") != before
 
     # The experiment's parent run is named after it and still shows the whole chain: the stages DVC skipped

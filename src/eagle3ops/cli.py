@@ -11,18 +11,38 @@ import logging
 import sys
 from pathlib import Path
 
-from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, ConfigError, TrainConfig, load_config
+from eagle3ops.config import (DTYPES, EVAL_DRAFTERS, EXPORT_FORMATS, TRAIN_INITS, Config, ConfigError, TrainConfig,
+                              load_config)
 from eagle3ops.errors import InputError
 
 STAGES = {
     "zoo": "build the embedded default: tokenizer, tiny predecessor/successor targets, predecessor drafter, datasets",
-    "generate": "regenerate assistant turns with the target (generate.backend: hf | none)",
+    "generate": "regenerate assistant turns with the target (generate.backend: hf | openai | none)",
     "prepare": "tokenize with the chat template, mask assistant tokens, split, build the draft vocabulary",
     "extract": "capture the target's auxiliary and final hidden states into safetensors shards",
     "train": "train an EAGLE-3 drafter with training-time test (--init scratch | warm_start)",
     "eval": "speculative decoding on held-out prompts: acceptance length tau, losslessness (--drafter ...)",
+    "export": "write a drafter in the layouts SGLang and vLLM load, validated, with launch commands "
+              "(the stage: export.* in params.yaml; or: export DRAFTER OUT --format F --target TARGET_DIR)",
     "report": "compare the variants: markdown table, CSV, PNG",
 }
+
+
+def _export_options(export: argparse.ArgumentParser) -> None:
+    export.description = (
+        "Without DRAFTER and OUT: the DVC stage, exporting train's export.drafter into export.out_dir in every one "
+        "of export.formats, with SERVING.md. With them: export that drafter (SpecForge/SGLang, EAGLE authors' or "
+        "speculators layout) for the target TARGET_DIR, in the layout --format names: 'sglang' (SGLang's "
+        "--speculative-draft-model-path; layer ids in SGLang's convention) or 'speculators' (`vllm serve OUT`, or "
+        "vLLM's --speculative-config; layer ids in vLLM's). The export is validated before it replaces OUT; the "
+        "report ends with the launch commands.")
+    export.add_argument("source", nargs="?", metavar="DRAFTER", help="the drafter directory to export (any layout)")
+    export.add_argument("out", nargs="?", metavar="OUT", help="the export directory (replaced atomically)")
+    export.add_argument("--format", choices=EXPORT_FORMATS, help="the layout to write (with DRAFTER OUT)")
+    export.add_argument("--target", metavar="TARGET_DIR", help="the target model directory it is served with")
+    export.add_argument("--speculative-tokens", type=int, default=3, metavar="K",
+                        help="draft tokens per step in the launch commands and the speculators config (default: 3)")
+    export.add_argument("--dtype", choices=DTYPES, help="cast the weights, e.g. bfloat16 (default: keep them)")
 
 
 def _store_options(command: argparse.ArgumentParser) -> None:
@@ -43,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
         if name == "eval":
             sub.add_argument("--drafter", choices=EVAL_DRAFTERS, required=True,
                              help="baseline = train.warm_start used as-is; scratch / warm_start = our trained drafters")
+        if name == "export":
+            _export_options(sub)
     sync = commands.add_parser(
         "sync", help="upload the runs recorded while the MLflow server was unreachable (.eagle3ops/outbox/)",
         description="Stages never stop for a tracking server that is down: what they could not log is kept under "
@@ -87,14 +109,28 @@ def parser() -> argparse.ArgumentParser:
     project.add_argument("--measured", metavar="RUN_ID", help="a real run on target hardware: print projected vs measured")
     _store_options(project)
     project.add_argument("--out", metavar="FILE.md", help="also write the report to this file")
+    bench = commands.add_parser(
+        "bench", help="extraction and training speed vs the machine's limits and a naive baseline (GPU or CPU)",
+        description="Build a target and a drafter of the chosen size with random weights, measure the machine's "
+                    "ceilings (matrix product, device copy, disk write with fsync), the naive and our extraction "
+                    "pipelines, and drafter training steps at several batch sizes and lengths; print a table and "
+                    "write JSON (+ the table as .md). `--size 8b` is the Llama-3.1-8B configuration for one big GPU; "
+                    "`tiny` runs anywhere in a minute.")
+    bench.add_argument("--size", choices=["tiny", "8b"], default="tiny", help="workload scale (default: %(default)s)")
+    bench.add_argument("--parts", nargs="+", choices=["extract", "train"], default=["extract", "train"])
+    bench.add_argument("--kernels", nargs="+", choices=["flex", "reference"], default=["flex", "reference"],
+                       help="TTT attention kernels to time in training (default: both)")
+    bench.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
+    bench.add_argument("--work-dir", default=".eagle3ops/bench", help="scratch space on the disk to measure")
+    bench.add_argument("--out", default="bench/results/bench.json", help="JSON result; the table goes beside it as .md")
     compat = commands.add_parser(
         "check-compat", help="can this drafter be warm-started on (or served with) this target? a verdict with reasons",
-        description="Compare a drafter (SpecForge/SGLang layout) with a target model directory: vocabulary, hidden "
-                    "size, layer ids and their convention, attention shapes, positions, and, given data, how much of "
-                    "its loss-masked tokens the drafter's draft vocabulary covers. Verdict and exit code: compatible "
+        description="Compare a drafter (SpecForge/SGLang, EAGLE or speculators layout) with a target model "
+                    "directory: vocabulary, hidden size, layer ids and their convention, attention shapes, positions, "
+                    "and, given data, how much of its loss-masked tokens the drafter's draft vocabulary covers. Verdict and exit code: compatible "
                     "(0), needs_new_head (4), incompatible (5). `train@warm_start` runs the same check.")
     compat.add_argument("target", help="target model directory (config.json)")
-    compat.add_argument("drafter", help="drafter directory (config.json + model.safetensors)")
+    compat.add_argument("drafter", help="drafter directory, in any layout import-drafter reads")
     compat.add_argument("--data", metavar="PATH",
                         help="new data: a prepared split directory (data/prepared/train) or a conversations JSONL "
                              "(tokenized with the target's tokenizer and chat template)")
@@ -102,8 +138,45 @@ def parser() -> argparse.ArgumentParser:
                         help="HF hidden-state indices the features are extracted at (default: [2, N//2, N-3])")
     compat.add_argument("--min-coverage", type=float, default=TrainConfig.warm_start_min_coverage,
                         help="draft-vocab coverage below which the drafter needs a new head (default: %(default)s)")
+    compat.add_argument("--chat-template", metavar="NAME_OR_PATH",
+                        help="for a JSONL: llama-3, qwen3, kimi-k2 or a .jinja file (default: the tokenizer's own)")
     compat.add_argument("--max-len", type=int, default=4096, help="truncation when tokenizing a JSONL (default: %(default)s)")
     compat.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    preset = commands.add_parser(
+        "preset", help="set params.yaml up for a known target (Llama-3.1-8B, Qwen3-8B, DeepSeek-V3, Kimi-K2.5)",
+        description="Apply a target preset (src/eagle3ops/presets/NAME.yaml) to params.yaml. It sets target.id, "
+                    "target.revision (null: pin the commit you downloaded), target.aux_layers, target.dtype, "
+                    "target.trust_remote_code, target.chat_template, target.path and target.lineage_dep "
+                    "(DIR/config.json: DVC hashes that, not the weights), data.draft_vocab_size, extract.dtype, the "
+                    "published drafter's shape under train.draft, and train.warm_start with --warm-start. Every "
+                    "other key and the comments stay; the target must have the preset's architecture, and the "
+                    "result is checked against the schema before it replaces the file.")
+    preset.add_argument("name", nargs="?", metavar="NAME", help="the preset (see --list)")
+    preset.add_argument("--list", action="store_true", help="list the presets and exit")
+    preset.add_argument("--target-path", metavar="DIR", help="the target's local model directory (with NAME)")
+    preset.add_argument("--warm-start", metavar="DIR", help="drafter that train@warm_start fine-tunes (train.warm_start)")
+    preset.add_argument("--params", default="params.yaml", help="params file to change (default: %(default)s)")
+    imported = commands.add_parser(
+        "import-drafter", help="convert a drafter from any layout eagle3ops reads into the SpecForge/SGLang layout",
+        description="Read the drafter in SRC (SpecForge/SGLang: config.json + model.safetensors; EAGLE authors': "
+                    "config.json + pytorch_model.bin, read with weights_only, so a file that needs code is refused; "
+                    "vllm-project/speculators: Eagle3Speculator) and write it to OUT in our layout, atomically: "
+                    "what train.warm_start and eval read. Layer ids come out in SGLang's convention; a missing "
+                    "d2t/t2d is derived from the other, or is the identity map when the draft vocabulary is the "
+                    "target's.")
+    imported.add_argument("source", metavar="SRC", help="the drafter directory to read")
+    imported.add_argument("out", metavar="OUT", help="the directory to write (replaced atomically)")
+    validate = commands.add_parser(
+        "validate-export", help="check an exported drafter against its target; print the launch commands",
+        description="Re-read an export and check what SGLang / vLLM read against the target's config: "
+                    "architectures, vocab_size, draft_vocab_size = lm_head rows = len(d2t), t2d over the target "
+                    "vocabulary marking exactly the d2t targets in ascending order, layer ids in range and in the "
+                    "layout's convention, hidden sizes, max_position_embeddings, rope settings, dtypes. Exit 1 "
+                    "when it is invalid.")
+    validate.add_argument("directory", metavar="DIR", help="the export directory")
+    validate.add_argument("--target", required=True, metavar="TARGET_DIR", help="the target model directory")
+    validate.add_argument("--format", choices=EXPORT_FORMATS, help="the layout it must have (default: as found)")
+    validate.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     return main
 
 
@@ -159,6 +232,18 @@ def _project(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from eagle3ops.benchmark import render, run_bench, write_result
+    from eagle3ops.modeling.target import resolve_device
+
+    result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
+                       tuple(args.kernels))
+    result["command"] = "eagle3ops " + " ".join(sys.argv[1:])
+    write_result(result, Path(args.out))
+    print(render(result))
+    return 0
+
+
 def _check_compat(args) -> int:
     from eagle3ops.compat import EXIT_CODES, check_compat
     from eagle3ops.data.prepare import masked_token_counts
@@ -173,7 +258,7 @@ def _check_compat(args) -> int:
         from eagle3ops.data.vocab import count_masked_tokens
         from eagle3ops.modeling.target import load_tokenizer
 
-        tokenizer = load_tokenizer(TargetConfig(path=args.target))
+        tokenizer = load_tokenizer(TargetConfig(path=args.target, chat_template=args.chat_template))
         samples, _ = tokenize_dataset(tokenizer, load_conversations(args.data), args.max_len, args.data)
         counts = count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples)
     report = check_compat(args.target, args.drafter, args.aux_layers, counts, args.min_coverage)
@@ -185,15 +270,69 @@ def _check_compat(args) -> int:
     return EXIT_CODES[report.verdict]
 
 
-TOOLS = {"check-compat": _check_compat, "sync": _sync, "reproduce": _reproduce, "compare": _compare, "project": _project}
+def _preset(args) -> int:
+    from eagle3ops.presets import apply_preset, load_preset, preset_names
+
+    if args.list:
+        for name in preset_names():
+            print(f"{name:24} {load_preset(name)['description']}")
+        return 0
+    if not args.name or not args.target_path:
+        raise InputError("give a preset NAME and --target-path DIR (or --list)")
+    changed = apply_preset(args.name, args.params, args.target_path, args.warm_start)
+    print(f"{args.params}: preset {args.name} set {', '.join(changed)}")
+    if not args.warm_start:
+        print(f"train.warm_start is unchanged ({load_config(args.params).train.warm_start}); --warm-start DIR sets it")
+    return 0
+
+
+def _import_drafter(args) -> int:
+    from eagle3ops.formats.checkpoint import LAYOUTS, import_drafter
+
+    checkpoint = import_drafter(args.source, args.out)
+    cfg = checkpoint.cfg
+    print(f"{args.source}: {LAYOUTS[checkpoint.layout]} -> {args.out}: {LAYOUTS['sglang']}")
+    print(f"  hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}, target layers "
+          f"(HF hidden-state indices) {cfg.aux_layers or 'not named: the engines default to [2, N//2, N-3]'}")
+    for note in checkpoint.notes:
+        print(f"  {note}")
+    return 0
+
+
+def _export(args) -> int:
+    from eagle3ops.formats.export import export_drafter
+
+    if not (args.source and args.out and args.format and args.target):
+        raise InputError("give DRAFTER OUT --format F --target TARGET_DIR (plain `eagle3ops export` runs the DVC "
+                         "stage from params.yaml's export section)")
+    print(export_drafter(args.source, args.out, args.format, args.target, args.speculative_tokens, args.dtype).render())
+    return 0
+
+
+def _validate_export(args) -> int:
+    import json
+
+    from eagle3ops.formats.validate import validate_export
+
+    report = validate_export(args.directory, args.format, args.target)
+    print(report.render())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return 0 if report.ok else 1
+
+
+TOOLS = {"bench": _bench, "check-compat": _check_compat, "sync": _sync, "reproduce": _reproduce, "compare": _compare,
+         "project": _project, "preset": _preset, "import-drafter": _import_drafter, "validate-export": _validate_export}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.stage in TOOLS:
+    # `export DRAFTER OUT ...` is the tool; plain `export` is the DVC stage
+    exporting = args.stage == "export" and any((args.source, args.out, args.format, args.target))
+    if args.stage in TOOLS or exporting:
         try:
-            return TOOLS[args.stage](args)
+            return _export(args) if exporting else TOOLS[args.stage](args)
         except InputError as err:
             print(f"eagle3ops {args.stage}: error: {err}", file=sys.stderr)
             return 1

@@ -16,10 +16,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from eagle3ops.config import TrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage
 from eagle3ops.errors import InputError
-from eagle3ops.formats.specforge import WEIGHTS, read_config, read_weights
+from eagle3ops.formats.checkpoint import read_drafter
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import default_aux_layers, text_config
 
@@ -66,20 +68,21 @@ class CompatReport:
 
 
 def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: list[int] | None = None,
-                 data_counts: Counter | None = None, min_coverage: float = TrainConfig.warm_start_min_coverage,
-                 drafter: DraftConfig | None = None) -> CompatReport:
+                 data_counts: Counter | None = None,
+                 min_coverage: float = TrainConfig.warm_start_min_coverage) -> CompatReport:
     """Compare a drafter's config with a target's config (and, given token counts of the new data's
     loss-masked tokens, its draft vocabulary with that data). `aux_layers` are the HF hidden-state indices the
     features are (or will be) extracted at; None = the target's default [2, N//2, N-3]."""
     target = text_config(target_dir)
-    cfg = drafter or read_config(drafter_dir)
+    checkpoint = read_drafter(drafter_dir)  # any layout eagle3ops reads
+    cfg = checkpoint.cfg
     report = CompatReport(str(target_dir), str(drafter_dir))
     _vocabulary(report, cfg, target)
     _hidden_size(report, cfg, target)
     _layers(report, cfg, target, aux_layers)
     _attention(report, cfg, target)
     if data_counts is not None:
-        _draft_vocab(report, cfg, data_counts, min_coverage, drafter_dir)
+        _draft_vocab(report, cfg, checkpoint.weights["t2d"], data_counts, min_coverage)
     return report
 
 
@@ -150,10 +153,9 @@ def _attention(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
                                       f"it is the drafter's own setting, kept as trained")
 
 
-def _draft_vocab(report: CompatReport, cfg: DraftConfig, counts: Counter, min_coverage: float,
-                 drafter_dir: str | Path) -> None:
-    t2d = read_weights(drafter_dir).get("t2d") if (Path(drafter_dir) / WEIGHTS).is_file() else None
-    if t2d is None or t2d.numel() != cfg.vocab_size or any(not 0 <= t < t2d.numel() for t in counts):
+def _draft_vocab(report: CompatReport, cfg: DraftConfig, t2d: torch.Tensor, counts: Counter,
+                 min_coverage: float) -> None:
+    if t2d.numel() != cfg.vocab_size or any(not 0 <= t < t2d.numel() for t in counts):
         report.add("draft_vocab", "warning", "coverage not measured: the drafter's t2d does not fit the data's ids")
         return
     report.draft_vocab_coverage = round(coverage(counts, t2d), 4)

@@ -5,6 +5,7 @@ rejected with the dotted key in the message, before any work starts.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -12,6 +13,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from eagle3ops.decoding.settings import DecodingError, SpecSettings
 from eagle3ops.errors import InputError
 
 
@@ -119,20 +121,32 @@ class TargetConfig:
 @dataclass
 class DataConfig:
     conversations: str = "data/zoo/conversations.jsonl"
-    eval_prompts: str = "data/zoo/eval_prompts.jsonl"
     max_len: int = 384
     eval_fraction: float = 0.05
     draft_vocab_size: int = 256
 
 
 @dataclass
+class OpenAIEndpointConfig:
+    """A running OpenAI-compatible server (vLLM, SGLang, `transformers serve`) serving the target."""
+    base_url: str = "http://127.0.0.1:8000/v1"  # what precedes /chat/completions
+    model: Optional[str] = None  # null = the one model the server lists at /models
+    api_key_env: Optional[str] = None  # the NAME of the environment variable holding the key, never the key
+    concurrency: int = 32  # conversations in flight (each sends its turns one after the other)
+    max_retries: int = 6  # per request, on 408/429/5xx, timeouts and connection errors
+    timeout_s: float = 600.0  # per request
+    extra_body: Optional[dict] = None  # merged into every request, e.g. {chat_template_kwargs: {enable_thinking: true}}
+
+
+@dataclass
 class GenerateConfig:
-    backend: str = "hf"  # hf | none
+    backend: str = "hf"  # hf | openai | none
     out: str = "data/generated/conversations.jsonl"
     batch_size: int = 32
     chunk_size: int = 256  # conversations per resumable chunk
     max_new_tokens: int = 160
     temperature: float = 0.0
+    openai: OpenAIEndpointConfig = field(default_factory=OpenAIEndpointConfig)  # backend openai
 
 
 @dataclass
@@ -147,6 +161,9 @@ class ExtractConfig:
     samples_per_shard: int = 512
     dtype: str = "float32"
     max_nonfinite_fraction: float = 0.01  # samples with NaN/inf states are skipped; above this share, fail
+    backend: str = "hf"  # hf: run the target here; import: take a serving engine's output (extraction_import.py)
+    import_dir: Optional[str] = None  # backend import: the speculators / SpecForge output directory
+    import_format: Optional[str] = None  # speculators | specforge; null = detect from the file names
 
 
 @dataclass
@@ -160,15 +177,53 @@ class TrainConfig(DrafterTrainConfig):
 
 
 @dataclass
+class PromptSetConfig:
+    """One named benchmark set: a JSONL or Parquet file of prompts or conversations (data/benchmarks.py)."""
+    name: str = ""
+    path: str = ""
+    format: Optional[str] = None  # chat | prompt | mtbench | gsm8k | humaneval | math500; null = from the fields
+    limit: Optional[int] = None  # the first N prompts of the file; null = eval.max_prompts
+
+
+def _zoo_prompt_sets() -> list[PromptSetConfig]:
+    """The embedded default's sets: one per task family, as zoo/build.py writes them."""
+    return [PromptSetConfig(name=family, path=f"data/zoo/bench/{family}.jsonl")
+            for family in ("arithmetic", "lists", "code", "qa")]
+
+
+@dataclass
 class EvalConfig:
     k: int = 3
     max_new_tokens: int = 96
-    max_prompts: Optional[int] = None
+    max_prompts: Optional[int] = None  # per set, for sets without a `limit`; null = all
+    sets: list[PromptSetConfig] = field(default_factory=_zoo_prompt_sets)
+    sets_dir: str = "data/zoo/bench"  # what dvc.yaml tracks for eval: every set's file must be inside it
+    # hf: decode here with the target; vllm | sglang: measure on a running server launched with the drafter
+    backend: str = "hf"
+    server_url: Optional[str] = None  # the engine's base URL, e.g. http://127.0.0.1:8000
+    concurrency: int = 8  # engine backends: requests in flight at once
+    temperature: float = 0.0  # 0 = greedy; the requests' (engine backends) or the decoding's (hf) temperature
+    # hf backend (decoding/settings.py says more): the target's nucleus; tree branching and tokens per
+    # verification, root included (SGLang's --speculative-eagle-topk, --speculative-num-draft-tokens; null =
+    # k + 1 for a chain, 1 + k * topk for a tree); drafts greedy | probabilistic (vLLM's draft_sample_method)
+    top_p: float = 1.0
+    topk: int = 1
+    num_draft_tokens: Optional[int] = None
+    draft_sample_method: str = "greedy"
+    batch_size: int = 1  # hf backend: prompts decoded together
 
 
 @dataclass
 class ReportConfig:
     out_dir: str = "reports"
+
+
+@dataclass
+class ExportConfig:
+    """The trained drafter written in the layouts the serving engines load, validated against the target."""
+    drafter: str = "warm_start"  # which of train's drafters: scratch | warm_start
+    out_dir: str = "models/export"  # one subdirectory per format, and SERVING.md with the launch commands
+    formats: list[str] = field(default_factory=lambda: ["sglang", "speculators"])  # sglang | speculators
 
 
 @dataclass
@@ -197,15 +252,21 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
-GENERATE_BACKENDS = ("hf", "none")
+GENERATE_BACKENDS = ("hf", "openai", "none")
+EXTRACT_BACKENDS = ("hf", "import")
+IMPORT_FORMATS = ("speculators", "specforge")
 TRAIN_INITS = ("scratch", "warm_start")
 WARM_START_VOCABS = ("keep", "remap")
 EVAL_DRAFTERS = ("baseline", "scratch", "warm_start")
+EVAL_BACKENDS = ("hf", "vllm", "sglang")
+PROMPT_SET_FORMATS = ("chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
 DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_FORMATS = ("sglang", "speculators")  # SGLang's layout (SpecForge's, ours) and vllm-project/speculators'
 
 
 def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
@@ -230,12 +291,31 @@ def _check_values(cfg: Config, path: Path) -> None:
 
     outputs = {"zoo.dir": cfg.zoo.dir, "zoo.data_dir": cfg.zoo.data_dir, "generate.out": cfg.generate.out,
                "prepare.out_dir": cfg.prepare.out_dir, "extract.out_dir": cfg.extract.out_dir,
-               "train.out_dir": cfg.train.out_dir, "report.out_dir": cfg.report.out_dir}
+               "train.out_dir": cfg.train.out_dir, "report.out_dir": cfg.report.out_dir,
+               "export.out_dir": cfg.export.out_dir}
     for key, value in outputs.items():  # stages replace whole output directories: never outside the project
         if Path(value).is_absolute() or ".." in Path(value).parts or not Path(value).parts:
             fail(key, f"{value!r} must be a path inside the project (relative, without '..')")
     if cfg.generate.backend not in GENERATE_BACKENDS:
         fail("generate.backend", f"{cfg.generate.backend!r} is not one of {GENERATE_BACKENDS}")
+    endpoint = cfg.generate.openai
+    if not endpoint.base_url.startswith(("http://", "https://")):
+        fail("generate.openai.base_url", f"{endpoint.base_url!r} is not an http(s) URL")
+    if endpoint.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", endpoint.api_key_env):
+        fail("generate.openai.api_key_env", "must be the name of an environment variable (e.g. OPENAI_API_KEY), "
+                                            "never the key itself")
+    if endpoint.concurrency < 1 or endpoint.max_retries < 0 or endpoint.timeout_s <= 0:
+        fail("generate.openai", "concurrency must be at least 1, max_retries at least 0, timeout_s positive")
+    if cfg.extract.backend not in EXTRACT_BACKENDS:
+        fail("extract.backend", f"{cfg.extract.backend!r} is not one of {EXTRACT_BACKENDS}")
+    if cfg.extract.import_format is not None and cfg.extract.import_format not in IMPORT_FORMATS:
+        fail("extract.import_format", f"{cfg.extract.import_format!r} is not one of {IMPORT_FORMATS} (or null: detect)")
+    if cfg.extract.backend == "import":
+        if not cfg.extract.import_dir:
+            fail("extract.import_dir", "must be set with backend import: the speculators / SpecForge output directory")
+        if Path(cfg.extract.import_dir) == Path(cfg.prepare.out_dir):
+            fail("extract.import_dir", f"still names the prepared data ({cfg.prepare.out_dir}); with backend import "
+                                       f"point it at the generator's output")
     for key, value in (("target.dtype", cfg.target.dtype), ("extract.dtype", cfg.extract.dtype)):
         if value not in DTYPES:
             fail(key, f"{value!r} is not one of {DTYPES}")
@@ -247,16 +327,17 @@ def _check_values(cfg: Config, path: Path) -> None:
         fail("data.draft_vocab_size", "must be positive")
     if cfg.target.aux_layers is not None and len(cfg.target.aux_layers) != 3:
         fail("target.aux_layers", f"EAGLE-3 fuses exactly three layers, got {cfg.target.aux_layers}")
-    dep, target_dir = Path(cfg.target.lineage_dep), Path(cfg.target.path)
-    if dep != target_dir and target_dir not in dep.parents:
-        fail("target.lineage_dep", f"{cfg.target.lineage_dep!r} is not target.path ({cfg.target.path!r}) or a file in it")
 
     if cfg.train.warm_start_vocab not in WARM_START_VOCABS:
         fail("train.warm_start_vocab", f"{cfg.train.warm_start_vocab!r} is not one of {WARM_START_VOCABS}")
     if not 0.0 <= cfg.train.warm_start_min_coverage <= 1.0:
         fail("train.warm_start_min_coverage", "must be in [0, 1]")
-    if cfg.eval.k < 1:
-        fail("eval.k", "must be at least 1")
+    if cfg.export.drafter not in TRAIN_INITS:
+        fail("export.drafter", f"{cfg.export.drafter!r} is not one of {TRAIN_INITS} (the drafters train writes)")
+    formats = cfg.export.formats
+    if not formats or len(set(formats)) != len(formats) or not set(formats) <= set(EXPORT_FORMATS):
+        fail("export.formats", f"{formats} must be distinct values from {EXPORT_FORMATS}, at least one")
+    _check_eval(cfg, fail)
     for key, recipe in (("train", cfg.train), ("zoo.drafter_training", cfg.zoo.drafter_training)):
         if len(recipe.betas) != 2:
             fail(f"{key}.betas", "needs two values")
@@ -264,3 +345,37 @@ def _check_values(cfg: Config, path: Path) -> None:
             fail(f"{key}.batch_size", "batch_size and epochs must be positive")
         if recipe.ttt_steps < 1:
             fail(f"{key}.ttt_steps", "must be at least 1")
+
+
+def _check_eval(cfg: Config, fail) -> None:
+    ev = cfg.eval
+    try:
+        SpecSettings.from_config(ev)  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method
+    except DecodingError as err:
+        fail(f"eval.{err.key}", err.reason)
+    if ev.batch_size < 1:
+        fail("eval.batch_size", "must be at least 1")
+    if ev.backend not in EVAL_BACKENDS:
+        fail("eval.backend", f"{ev.backend!r} is not one of {EVAL_BACKENDS}")
+    if ev.backend != "hf" and not (ev.server_url or "").startswith(("http://", "https://")):
+        fail("eval.server_url", f"backend {ev.backend} measures on a running server: give its base URL "
+                                f"(http://host:port), got {ev.server_url!r}")
+    if ev.concurrency < 1:
+        fail("eval.concurrency", "must be at least 1")
+    if not ev.sets:
+        fail("eval.sets", "name at least one prompt set")
+    sets_dir, seen = Path(ev.sets_dir), set()
+    for i, prompt_set in enumerate(ev.sets):
+        key = f"eval.sets[{i}]"
+        if not prompt_set.name or prompt_set.name in seen:
+            fail(f"{key}.name", f"{prompt_set.name!r}: every set needs a name of its own")
+        seen.add(prompt_set.name)
+        if sets_dir not in Path(prompt_set.path).parents:  # DVC tracks the directory, not a list of files
+            fail(f"{key}.path", f"{prompt_set.path!r} is not inside eval.sets_dir ({ev.sets_dir!r}), the directory "
+                                f"dvc.yaml tracks for the eval stage")
+        if prompt_set.format is not None and prompt_set.format not in PROMPT_SET_FORMATS:
+            fail(f"{key}.format", f"{prompt_set.format!r} is not one of {PROMPT_SET_FORMATS} (or null: detect)")
+        if prompt_set.limit is not None and prompt_set.limit < 1:
+            fail(f"{key}.limit", "must be at least 1 (or null: eval.max_prompts)")
+    if ev.max_prompts is not None and ev.max_prompts < 1:
+        fail("eval.max_prompts", "must be at least 1 (or null: all)")

@@ -13,6 +13,7 @@ from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS
 
 STAGES = ("zoo", "generate", "prepare", "extract", *(f"train-{i}" for i in TRAIN_INITS),
           *(f"eval-{d}" for d in EVAL_DRAFTERS))
+COLORS = dict(zip(EVAL_DRAFTERS, ("#999999", "#1f77b4", "#ff7f0e")))
 
 
 def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
@@ -24,11 +25,47 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
         train = metrics.get(f"train-{drafter}", {})
         rows.append({"drafter": drafter, "tau": m["tau"],
                      **{f"a{i}": m[f"accept_{i}"] for i in range(1, m["k"] + 1)},
-                     "lossless": "yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)",
+                     "lossless": ("yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)")
+                     if "lossless" in m else f"not checked ({m['backend']})",  # engine backends: no reference
                      "vocab coverage": m.get("draft_vocab_coverage"),
-                     "ttt acc_0 (held-out)": train.get("eval_acc_0"),
-                     **{f"tau {name}": tau for name, tau in m["tau_by_set"].items()}})
+                     "ttt acc_0 (held-out)": train.get("eval_acc_0")})
     return pd.DataFrame(rows)
+
+
+def tau_by_set_table(metrics: dict[str, dict]) -> pd.DataFrame:
+    """One row per benchmark set (its prompts, each drafter's tau), then the overall row."""
+    evals = {d: metrics[f"eval-{d}"] for d in EVAL_DRAFTERS if f"eval-{d}" in metrics}
+    names = list(dict.fromkeys(name for m in evals.values() for name in m.get("tau_by_set", {})))
+    rows = [{"set": name,
+             "prompts": next((m["prompts_by_set"][name] for m in evals.values() if name in m.get("prompts_by_set", {})),
+                             None),
+             **{d: m.get("tau_by_set", {}).get(name) for d, m in evals.items()}} for name in names]
+    if evals:
+        rows.append({"set": "overall", "prompts": next(iter(evals.values()))["prompts"],
+                     **{d: m["tau"] for d, m in evals.items()}})
+    return pd.DataFrame(rows, columns=["set", "prompts", *evals])
+
+
+def plot_tau_by_set(metrics: dict[str, dict], path: Path) -> None:
+    """Grouped bars: tau of every drafter on every benchmark set, and overall."""
+    table = tau_by_set_table(metrics)
+    drafters = [column for column in table.columns if column in EVAL_DRAFTERS]
+    width = 0.8 / max(1, len(drafters))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(table) + 2), 4.2))
+    for j, drafter in enumerate(drafters):
+        taus = table[drafter].astype(float)
+        bars = ax.bar([i + (j - (len(drafters) - 1) / 2) * width for i in range(len(table))], taus, width,
+                      label=drafter, color=COLORS[drafter])
+        ax.bar_label(bars, labels=["" if pd.isna(t) else f"{t:.2f}" for t in taus], fontsize=8)
+    ax.set_xticks(range(len(table)), table["set"])
+    ax.set(title="Acceptance length tau per benchmark set", ylabel="tokens per verification step")
+    if drafters:
+        top = table[drafters].astype(float).max().max()
+        ax.set_ylim(0, 1.25 * top if top > 0 else 1)  # room for the legend above the bars
+        ax.legend(loc="upper left", ncol=len(drafters))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
@@ -56,7 +93,7 @@ def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], pat
     curve = acceptance_curve(metrics)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     taus = [(d, metrics[f"eval-{d}"]["tau"]) for d in EVAL_DRAFTERS if f"eval-{d}" in metrics]
-    bars = axes[0].bar([d for d, _ in taus], [t for _, t in taus], color=["#999999", "#1f77b4", "#ff7f0e"][: len(taus)])
+    bars = axes[0].bar([d for d, _ in taus], [t for _, t in taus], color=[COLORS[d] for d, _ in taus])
     axes[0].bar_label(bars, fmt="%.2f")
     axes[0].set(title="Acceptance length tau (greedy, chain)", ylabel="tokens per verification step")
     for drafter, group in curve.groupby("drafter", sort=False):
@@ -89,6 +126,8 @@ def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
              "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); a_i = share "
              "of steps whose i-th draft was accepted; vocab coverage = share of the target's tokens inside the "
              "drafter's vocabulary (a warm start keeps its own).", "",
+             "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
+             "![tau by set](tau_by_set.png)", "",
              "## Stage timings", "", markdown_table(timings, ".1f"), "",
              f"MLflow runs: `mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000", ""]
     return "\n".join(lines)

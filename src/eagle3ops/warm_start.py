@@ -22,7 +22,8 @@ from eagle3ops.compat import CompatReport, IncompatibleDrafter, check_compat
 from eagle3ops.data.shards import sha256_file
 from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.errors import InputError
-from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError, load_drafter
+from eagle3ops.formats.checkpoint import load_any_drafter
+from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError
 from eagle3ops.modeling.draft import Eagle3Draft
 
 
@@ -77,7 +78,7 @@ def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch
     layers = next(f for f in report.findings if f.check == "layers")
     if layers.level != "ok":
         raise CheckpointError(f"{source}: {layers.message}")
-    draft = load_drafter(source, embedding)
+    draft = load_any_drafter(source, embedding)
     sha = drafter_sha256(source)
     if vocab == "keep":
         return WarmStart(draft, report, sha, optimizer_state=_optimizer_state(source) if resume_optimizer else None)

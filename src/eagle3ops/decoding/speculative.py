@@ -1,24 +1,38 @@
-"""Speculative decoding with an EAGLE-3 drafter on a Hugging Face target: chain drafting, greedy verification.
+"""Speculative decoding with an EAGLE-3 drafter on a Hugging Face target: chains and trees, greedy and sampled,
+any batch size.
 
-Each step: the drafter proposes k tokens one after another, the target scores [last token, d_1..d_k] in one
-cached forward, the longest prefix of drafts that equals the target's own greedy choice is accepted, and the
-target's next token after it (the bonus) is emitted too. Counted as the serving engines count:
-tau = 1 + accepted / steps (vLLM: 1 + num_accepted_tokens / num_drafts; SGLang: completion tokens / verify
-steps), per-position acceptance a_i = share of steps whose i-th draft was accepted.
+Each step, per sequence: the drafter proposes a chain or a tree (drafting.py, tree.py); the target scores
+[last emitted token, drafted nodes] of every sequence in ONE cached forward with a tree attention mask
+(batching.py); the longest path the target agrees with is accepted and the target's next token after it (the
+correction, or the bonus at a leaf) is emitted too (sampling.py for T > 0). Greedy output equals the target's
+greedy output token for token; sampled output follows the target's distribution exactly.
 
-Draft alignment: the draft position t holds (g_t, x_{t+1}), the target's fused feature at t and the token
-after it; its output predicts x_{t+2}. After a verification, the accepted positions' features (from that same
-target forward) replace the draft's speculative cache entries.
+Counted as the serving engines count, per sequence and merged: tau = 1 + accepted / steps (vLLM:
+1 + num_accepted_tokens / num_drafts; SGLang: completion tokens / verify steps), per-position acceptance a_i =
+share of steps whose path reached depth i (for a chain: whose i-th draft was accepted). The token sampled from
+the prefill is not a verification step, as in both engines.
+
+Public API:
+    speculative_generate(target, draft, prompts, settings, max_new_tokens, eos_ids, seed=0) -> list[Generation]
+    target_generate(target, prompts, max_new_tokens, eos_ids, temperature=0.0, top_p=1.0, seed=0) -> list[list[int]]
+    target_greedy(target, prompt_ids, max_new_tokens, eos_ids) -> list[int]      (the unbatched greedy reference)
+    speculative_greedy(target, draft, prompt_ids, k, max_new_tokens, eos_ids) -> (tokens, AcceptanceStats)
+    SpecSettings (settings.py), AcceptanceStats
+Row i of a batch samples with its own generator seeded seed + i, so a row's output does not depend on the batch.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from eagle3ops.modeling.draft import Eagle3Draft, KVCache
+from eagle3ops.decoding.batching import TargetBatch, cache_kwarg
+from eagle3ops.decoding.drafting import DraftState, propose
+from eagle3ops.decoding.sampling import rejection_sample, sample, target_probs
+from eagle3ops.decoding.settings import DecodingError, SpecSettings
+from eagle3ops.decoding.tree import DraftTree
+from eagle3ops.modeling.draft import Eagle3Draft
 from eagle3ops.modeling.target import capture
 
 
@@ -43,6 +57,13 @@ class AcceptanceStats:
         self.accepted += other.accepted
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
 
+    @classmethod
+    def merged(cls, k: int, stats: list[AcceptanceStats]) -> AcceptanceStats:
+        total = cls(k)
+        for one in stats:
+            total.merge(one)
+        return total
+
     @property
     def tau(self) -> float:
         return 1.0 + self.accepted / self.steps if self.steps else 0.0
@@ -50,6 +71,12 @@ class AcceptanceStats:
     @property
     def per_position(self) -> list[float]:
         return [a / self.steps if self.steps else 0.0 for a in self.accepted_at]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens, cut after the first end-of-sequence token or at max_new_tokens
+    stats: AcceptanceStats
 
 
 def _stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
@@ -60,82 +87,139 @@ def _stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int
     return tokens[:max_new_tokens]
 
 
-def _cache_kwarg(target: PreTrainedModel) -> str:
-    """transformers 5 renamed the forward's `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+def _finished(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> bool:
+    return len(tokens) >= max_new_tokens or any(t in eos_ids for t in tokens)
 
 
-def _forward(target: PreTrainedModel, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
-    """Cached forward of new tokens [1, n] -> logits [n, V]."""
-    ids = torch.tensor([token_ids], device=target.device)
-    return target(input_ids=ids, use_cache=True, **{_cache_kwarg(target): cache}).logits[0]
+def _check(prompts: list[list[int]], max_new_tokens: int) -> None:
+    if not prompts or any(not p for p in prompts):
+        raise DecodingError("prompts", "need at least one prompt, each of at least one token")
+    if max_new_tokens < 1:
+        raise DecodingError("max_new_tokens", "must be at least 1")
 
 
-def _truncate(cache: DynamicCache, length: int) -> None:
-    """Drop cached positions from `length` on (a negative crop means the same in transformers 4 and 5)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+def _choose(logits: torch.Tensor, settings: SpecSettings, generator: torch.Generator) -> int:
+    """The target's next token from logits [V]: argmax at T = 0, else a sample of p."""
+    if settings.greedy:
+        return int(logits.argmax())
+    return sample(target_probs(logits, settings.temperature, settings.top_p), generator)
+
+
+def _verify(tree: DraftTree, logits: torch.Tensor, settings: SpecSettings,
+            generator: torch.Generator) -> tuple[list[int], int]:
+    """logits [N+1, V] of [root, nodes] -> (accepted path of block indices from the root, next token)."""
+    if settings.rejection_sampling:
+        p = target_probs(logits, settings.temperature, settings.top_p)  # [k+1, V]
+        accepted, token = rejection_sample(p, tree.q, tree.tokens, generator)
+        return list(range(accepted + 1)), token
+    return tree.walk(lambda block: _choose(logits[block], settings, generator))
+
+
+def _generators(device: torch.device, seed: int, count: int) -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(seed + row) for row in range(count)]
+
+
+@torch.no_grad()
+def speculative_generate(target: PreTrainedModel, draft: Eagle3Draft, prompts: list[list[int]],
+                         settings: SpecSettings, max_new_tokens: int, eos_ids: set[int],
+                         seed: int = 0) -> list[Generation]:
+    """Speculative decoding of a batch of prompts (token ids). Returns one Generation per prompt, in order."""
+    _check(prompts, max_new_tokens)
+    if settings.topk > draft.cfg.draft_vocab_size:
+        raise DecodingError("topk", f"{settings.topk} exceeds the drafter's vocabulary ({draft.cfg.draft_vocab_size})")
+    generators = _generators(target.device, seed, len(prompts))
+    results = [Generation([], AcceptanceStats(settings.k)) for _ in prompts]
+    batch = TargetBatch(target, len(prompts))
+    states: list[DraftState] = []
+    dtype = draft.fc.weight.dtype
+    with capture(target, draft.cfg.aux_layers) as hooks:
+        last = batch.prefill(prompts)  # [B, V]
+        aux = hooks.aux()  # [B, P, 3Ht], prompts right-aligned
+        for row, prompt in enumerate(prompts):
+            results[row].tokens.append(_choose(last[row], settings, generators[row]))
+            features = draft.fuse(aux[row : row + 1, aux.shape[1] - len(prompt):].to(dtype))  # [1, len, H]
+            states.append(DraftState(prompt[1:] + results[row].tokens, features, first_pos=0))
+        live = list(range(len(prompts)))  # the prompt each batch row decodes
+        outputs = [result.tokens for result in results]
+        while live := _drop_finished(batch, live, outputs, eos_ids, max_new_tokens):
+            trees = [propose(draft, states[i], settings, generators[i]) for i in live]
+            ids = torch.tensor([[results[i].tokens[-1], *tree.tokens] for i, tree in zip(live, trees)],
+                               device=target.device)  # [b, N+1]
+            depths = torch.tensor([tree.depths() for tree in trees], device=target.device)  # [b, N+1]
+            masks = torch.stack([tree.ancestor_mask() for tree in trees]).to(target.device)  # [b, N+1, N+1]
+            logits = batch.forward(ids, depths, masks)  # [b, N+1, V]
+            aux = hooks.aux()  # [b, N+1, 3Ht]
+            keep = torch.zeros(ids.shape, dtype=torch.bool, device=target.device)
+            for row, (i, tree) in enumerate(zip(live, trees)):
+                path, token = _verify(tree, logits[row], settings, generators[i])
+                new_tokens = [tree.tokens[block - 1] for block in path[1:]] + [token]
+                keep[row, path] = True
+                results[i].stats.record(len(path) - 1)
+                results[i].tokens.extend(new_tokens)
+                states[i].accept(new_tokens, draft.fuse(aux[row : row + 1, path].to(dtype)),
+                                 first_pos=int(batch.lengths[row]))  # the root's position
+            batch.commit(keep)
+    for result in results:
+        result.tokens = _stop(result.tokens, eos_ids, max_new_tokens)
+    return results
+
+
+def _drop_finished(batch: TargetBatch, live: list[int], outputs: list[list[int]], eos_ids: set[int],
+                   max_new_tokens: int) -> list[int]:
+    """Rows whose sequence is done leave the batch; returns the prompts still decoding."""
+    rows = [row for row, i in enumerate(live) if not _finished(outputs[i], eos_ids, max_new_tokens)]
+    if len(rows) < len(live):
+        batch.select_rows(torch.tensor(rows, dtype=torch.long, device=batch.valid.device))
+    return [live[row] for row in rows]
+
+
+@torch.no_grad()
+def target_generate(target: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+    """The target alone, batched, one token per forward: the baseline speculative decoding is timed against.
+    Row i samples with the generator seeded seed + i, as in speculative_generate."""
+    _check(prompts, max_new_tokens)
+    settings = SpecSettings(temperature=temperature, top_p=top_p)
+    generators = _generators(target.device, seed, len(prompts))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    batch = TargetBatch(target, len(prompts))
+    logits = batch.prefill(prompts)  # [B, V]
+    live = list(range(len(prompts)))
+    while True:
+        for row, i in enumerate(live):
+            outputs[i].append(_choose(logits[row], settings, generators[i]))
+        if not (live := _drop_finished(batch, live, outputs, eos_ids, max_new_tokens)):
+            break
+        b = len(live)
+        ids = torch.tensor([[outputs[i][-1]] for i in live], device=target.device)  # [b, 1]
+        ones = torch.ones(b, 1, 1, dtype=torch.bool, device=target.device)
+        logits = batch.forward(ids, torch.zeros(b, 1, dtype=torch.long, device=target.device), ones)[:, -1]
+        batch.commit(ones[:, 0])
+    return [_stop(tokens, eos_ids, max_new_tokens) for tokens in outputs]
 
 
 @torch.no_grad()
 def target_greedy(target: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """The target's own greedy continuation, one cached token at a time: the reference for losslessness."""
+    """The target's own greedy continuation of one prompt, one cached token at a time, no masks or positions
+    given: the independent reference for losslessness."""
     cache = DynamicCache()
-    logits = _forward(target, prompt_ids, cache)
+
+    def forward(token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids], device=target.device)
+        return target(input_ids=ids, use_cache=True, **{cache_kwarg(target): cache}).logits[0]
+
+    logits = forward(prompt_ids)
     out: list[int] = []
     while True:
         token = int(logits[-1].argmax())
         out.append(token)
         if token in eos_ids or len(out) >= max_new_tokens:
             return out
-        logits = _forward(target, [token], cache)
+        logits = forward([token])
 
 
-@torch.no_grad()
 def speculative_greedy(target: PreTrainedModel, draft: Eagle3Draft, prompt_ids: list[int], k: int,
                        max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], AcceptanceStats]:
-    """Greedy chain speculative decoding of one prompt. Returns (new tokens, acceptance counts)."""
-    device = target.device
-    stats = AcceptanceStats(k)
-    cache, draft_cache = DynamicCache(), KVCache()
-    with capture(target, draft.cfg.aux_layers) as hooks:
-        last = int(_forward(target, prompt_ids, cache)[-1].argmax())
-        out = [last]
-        # Pending draft positions: features of the tokens the target has processed, paired with the next token.
-        pending_ids = prompt_ids[1:] + [last]
-        pending_features = draft.fuse(hooks.aux().to(draft.fc.weight.dtype))
-        first_pos = 0
-        while last not in eos_ids and len(out) < max_new_tokens:
-            n = len(pending_ids)
-            positions = torch.arange(first_pos, first_pos + n, device=device)[None]
-            hidden, draft_logits = draft.step(torch.tensor([pending_ids], device=device), pending_features,
-                                              positions, kv_cache=draft_cache)
-            committed = draft_cache.length
-            drafts: list[int] = []
-            position = first_pos + n - 1
-            for i in range(k):
-                token = int(draft.to_target_ids(draft_logits[0, -1].argmax()))
-                drafts.append(token)
-                if i + 1 < k:
-                    position += 1
-                    hidden, draft_logits = draft.step(torch.tensor([[token]], device=device), hidden[:, -1:],
-                                                      torch.tensor([[position]], device=device), kv_cache=draft_cache)
-            draft_cache.crop(committed)
-
-            processed = cache.get_seq_length()
-            verify = _forward(target, [last, *drafts], cache).argmax(-1).tolist()
-            accepted = 0
-            while accepted < k and drafts[accepted] == verify[accepted]:
-                accepted += 1
-            stats.record(accepted)
-            new_tokens = drafts[:accepted] + [verify[accepted]]
-            _truncate(cache, processed + accepted + 1)
-            pending_features = draft.fuse(hooks.aux()[:, : accepted + 1].to(draft.fc.weight.dtype))
-            pending_ids = new_tokens
-            first_pos = processed
-            out.extend(new_tokens)
-            last = out[-1]
-            if any(t in eos_ids for t in new_tokens):
-                break
-    return _stop(out, eos_ids, max_new_tokens), stats
+    """Greedy chain speculative decoding of one prompt (k drafts per step). Returns (new tokens, counts)."""
+    [result] = speculative_generate(target, draft, [prompt_ids], SpecSettings(k=k), max_new_tokens, eos_ids)
+    return result.tokens, result.stats

@@ -5,7 +5,8 @@
     <dir>/training_state.pt    optional: optimizer, scheduler, step, RNG states, for resuming
 
 `eagle_aux_hidden_state_layer_ids` is written in SGLang's convention (id i = output of decoder layer i), which
-is HF hidden_states index i + 1; in memory we keep HF indices (see modeling/target.py).
+is HF hidden_states index i + 1; in memory we keep HF indices (see formats/conventions.py). Other layouts are
+read by formats/checkpoint.py and written by formats/export.py.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3ops.errors import InputError
+from eagle3ops.formats.conventions import from_hf, rope_settings, to_hf
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -28,9 +30,24 @@ class CheckpointError(InputError):
     """A drafter checkpoint that cannot be read or does not fit."""
 
 
-def to_hf_config(cfg: DraftConfig) -> dict:
+def to_hf_config(cfg: DraftConfig, torch_dtype: str = "float32", rope_scaling: dict | None = None) -> dict:
+    """config.json of the layout. `rope_scaling`: the drafter's own, kept as it was trained (DraftConfig has none:
+    our drafter applies plain rope, but an imported one may have been trained with scaling)."""
     return {
         "architectures": [ARCHITECTURE],
+        **llama_layer_config(cfg, torch_dtype, rope_scaling),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": from_hf(cfg.aux_layers, "sglang"),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def llama_layer_config(cfg: DraftConfig, torch_dtype: str, rope_scaling: dict | None) -> dict:
+    """The drafter's one decoder layer as a Llama config: what both serving layouts describe it with."""
+    return {
         "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
@@ -40,17 +57,12 @@ def to_hf_config(cfg: DraftConfig) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
+        **({"rope_scaling": rope_scaling} if rope_scaling else {}),
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [index - 1 for index in cfg.aux_layers],
-            "use_aux_hidden_state": True,
-        },
+        "torch_dtype": torch_dtype,
     }
 
 
@@ -67,9 +79,9 @@ def from_hf_config(config: dict, where: str) -> DraftConfig:
             vocab_size=config["vocab_size"],
             draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
             target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-            aux_layers=[i + 1 for i in ids] if ids is not None else [],
+            aux_layers=to_hf(ids, "sglang") if ids is not None else [],
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            rope_theta=config.get("rope_theta", 10000.0),
+            rope_theta=rope_settings(config)[0],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         )
     except KeyError as err:
@@ -84,14 +96,25 @@ def read_config(directory: str | Path) -> DraftConfig:
 
 
 def save_drafter(draft: Eagle3Draft, directory: str | Path, training_state: dict | None = None) -> None:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(to_hf_config(draft.cfg), indent=2) + "\n")
     tensors = {name: t.detach().contiguous().cpu() for name, t in draft.state_dict().items()
                if not name.startswith("embed_tokens.")}
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    write_checkpoint(draft.cfg, tensors, directory)
     if training_state is not None:
-        torch.save(training_state, directory / TRAINING_STATE)
+        torch.save(training_state, Path(directory) / TRAINING_STATE)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def write_checkpoint(cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: str | Path,
+                     rope_scaling: dict | None = None) -> None:
+    """config.json + model.safetensors from a config and the drafter's tensors (our names, no embedding)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = to_hf_config(cfg, dtype_name(tensors["fc.weight"].dtype), rope_scaling)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -124,11 +147,17 @@ def load_into(draft: Eagle3Draft, directory: str | Path) -> None:
 def load_drafter(directory: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
     """A drafter from `directory`, with the target's embedding [V, H] put in."""
     cfg = read_config(directory)
+    draft = new_with_embedding(cfg, embedding, directory)
+    load_into(draft, directory)
+    return draft
+
+
+def new_with_embedding(cfg: DraftConfig, embedding: torch.Tensor, directory: str | Path) -> Eagle3Draft:
+    """An Eagle3Draft of `cfg` holding the target's embedding [V, H], which must have the drafter's shape."""
     if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise CheckpointError(f"{directory}: drafter expects a target embedding of {(cfg.vocab_size, cfg.hidden_size)}, "
                               f"the target has {tuple(embedding.shape)}")
     draft = Eagle3Draft(cfg)
-    load_into(draft, directory)
     draft.embed_tokens.weight.data.copy_(embedding)
     return draft
 

@@ -4,19 +4,26 @@ Layer ids here are indices into Hugging Face's `output_hidden_states` tuple: 0 i
 i is the output of decoder layer i-1, i.e. the input of decoder layer i (vLLM's meaning of an id). SGLang and
 SpecForge write the output of layer i as id i, which is HF index i+1; `formats/` converts at the boundary.
 Hooks capture only those layers and the final normed hidden state, instead of all N+1 hidden states.
+
+Any Hugging Face causal LM works, and so does a multimodal wrapper around one (Kimi-K2.5 keeps a DeepSeek-V3
+text model under `language_model`): the text model is found by `text_model()`, and hidden size, depth and
+vocabulary always come from the text config, never from the wrapper's.
 """
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from operator import attrgetter
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          PretrainedConfig, PreTrainedModel)
 
 from eagle3ops.config import TargetConfig
+from eagle3ops.data.chat import use_chat_template
 from eagle3ops.errors import InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,11 +53,11 @@ def text_config(path: str | Path) -> dict:
 
 
 def load_tokenizer(target: TargetConfig):
-    """The target's tokenizer; it must have a chat template and no ids beyond the target's embedding."""
+    """The target's tokenizer, rendering with `target.chat_template` (null: its own template, which it must
+    then have); it must have no ids beyond the target's embedding."""
     tokenizer = AutoTokenizer.from_pretrained(str(check_model_dir(target.path)),
                                               trust_remote_code=target.trust_remote_code)
-    if not tokenizer.chat_template:
-        raise TargetError(f"{target.path}: the tokenizer has no chat template")
+    use_chat_template(tokenizer, target.chat_template, str(target.path))
     vocab_size = text_config(target.path).get("vocab_size")
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise TargetError(f"{target.path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
@@ -58,10 +65,37 @@ def load_tokenizer(target: TargetConfig):
     return tokenizer
 
 
+def load_text_config(target: TargetConfig) -> PretrainedConfig:
+    """The language model's config (a wrapper's `text_config`), without loading any weights."""
+    config = AutoConfig.from_pretrained(str(check_model_dir(target.path)), trust_remote_code=target.trust_remote_code)
+    return config.get_text_config()
+
+
+def model_text_config(model: PreTrainedModel) -> PretrainedConfig:
+    return model.config.get_text_config()
+
+
+# Causal LMs first; multimodal wrappers (Kimi-K2.5, Gemma 3, Llava...) load as image-text-to-text models and
+# run text-only forwards all the same.
+AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText)
+
+
+def _auto_class(config: PretrainedConfig, target: TargetConfig):
+    remote = (getattr(config, "auto_map", None) or {}) if target.trust_remote_code else {}
+    for auto in AUTO_CLASSES:
+        if auto.__name__ in remote or type(config) in auto._model_mapping:
+            return auto
+    raise TargetError(f"{target.path}: transformers has no {' or '.join(a.__name__ for a in AUTO_CLASSES)} class "
+                      f"for model_type {config.model_type!r}" + ("" if target.trust_remote_code else
+                      "; if the repository ships its own modeling code, set target.trust_remote_code: true"))
+
+
 def load_target(target: TargetConfig) -> PreTrainedModel:
     """`from_pretrained` with no remote code unless target.trust_remote_code says so."""
-    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(target.path)), dtype=DTYPES[target.dtype],
-                                                 trust_remote_code=target.trust_remote_code)
+    path = str(check_model_dir(target.path))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+    model = _auto_class(config, target).from_pretrained(path, config=config, dtype=DTYPES[target.dtype],
+                                                        trust_remote_code=target.trust_remote_code)
     return model.to(resolve_device(target.device)).eval().requires_grad_(False)
 
 
@@ -71,14 +105,32 @@ def model_size(model: nn.Module) -> dict[str, int]:
             "target_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
+# Where model classes keep their text model (the module with the decoder `layers` and the final `norm`), most
+# common first: causal LMs and most wrappers answer get_decoder(); older wrappers nest it by name.
+TEXT_MODEL_PATHS = ("get_decoder()", "model.language_model", "language_model.model", "language_model", "model")
+
+
+def text_model(model: PreTrainedModel) -> nn.Module:
+    tried = []
+    for path in TEXT_MODEL_PATHS:
+        try:
+            found = model.get_decoder() if path == "get_decoder()" else attrgetter(path)(model)
+        except (AttributeError, NotImplementedError):
+            found = None
+        layers, norm = getattr(found, "layers", None), getattr(found, "norm", None)
+        if isinstance(layers, nn.ModuleList) and isinstance(norm, nn.Module):
+            return found
+        tried.append(path)
+    raise TargetError(f"{type(model).__name__}: found no text model with decoder `layers` and a final `norm`; "
+                      f"tried {', '.join(tried)}")
+
+
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return base.layers
+    return text_model(model).layers
 
 
 def final_norm(model: PreTrainedModel) -> nn.Module:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return base.norm
+    return text_model(model).norm
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -138,14 +190,30 @@ def capture(model: PreTrainedModel, aux_layers: list[int]):
 
 
 def _weight_locations(path: Path) -> dict[str, str]:
+    """{tensor name: safetensors file}, from the shard index of a sharded checkpoint or the single file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        try:
+            return json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise TargetError(f"{index}: not a safetensors index ({err})") from None
     single = path / "model.safetensors"
     if not single.is_file():
         raise TargetError(f"{path}: no model.safetensors or model.safetensors.index.json")
     with safe_open(str(single), framework="pt") as handle:
         return {name: single.name for name in handle.keys()}
+
+
+# Tensors of a multimodal wrapper's other towers never stand in for the language model's.
+OTHER_TOWERS = ("vision", "visual", "audio", "mm_projector", "multi_modal_projector")
+
+
+def _language_model_tensor(locations: dict[str, str], suffix: str) -> str | None:
+    """The language model's own `*suffix` tensor: not another tower's, not a copy inside a decoder layer
+    (DeepSeek-V3's multi-token-prediction layer has its own embed_tokens), a wrapper's `language_model.*` first."""
+    names = [name for name in locations if name.endswith(suffix) and ".layers." not in name
+             and not any(tower in name for tower in OTHER_TOWERS)]
+    return min(names, key=lambda name: ("language_model" not in name, len(name), name), default=None)
 
 
 def load_embedding_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,21 +224,22 @@ def load_embedding_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tenso
     path = check_model_dir(path)
     locations = _weight_locations(path)
     config = json.loads((path / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", False) or text_config(path).get("tie_word_embeddings", False)
 
-    def find(suffix: str) -> str | None:
-        matches = sorted(name for name in locations if name.endswith(suffix))
-        return matches[0] if matches else None
-
-    embed_name, head_name = find("embed_tokens.weight"), find("lm_head.weight")
+    embed_name = _language_model_tensor(locations, "embed_tokens.weight")
+    head_name = _language_model_tensor(locations, "lm_head.weight")
     if embed_name is None:
-        raise TargetError(f"{path}: no '*embed_tokens.weight' tensor in the checkpoint")
+        raise TargetError(f"{path}: no '*embed_tokens.weight' tensor of the language model in the checkpoint")
     if head_name is None:
-        if not config.get("tie_word_embeddings", False):
+        if not tied:
             raise TargetError(f"{path}: no 'lm_head.weight' tensor and tie_word_embeddings is false")
         head_name = embed_name
 
     def read(name: str) -> torch.Tensor:
-        with safe_open(str(path / locations[name]), framework="pt") as handle:
+        shard = path / locations[name]
+        if not shard.is_file():
+            raise TargetError(f"{path}: the index puts {name} in {locations[name]}, which is missing")
+        with safe_open(str(shard), framework="pt") as handle:
             return handle.get_tensor(name)
 
     return read(embed_name), read(head_name)

@@ -1,19 +1,25 @@
-"""Stage `eval@<drafter>`: speculative decoding on held-out prompts; acceptance length and losslessness."""
+"""Stage `eval@<drafter>`: speculative decoding on the benchmark prompt sets; acceptance length per set and
+overall, and losslessness. eval.backend hf decodes here; vllm | sglang measure on a server (decoding/engines.py)."""
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from eagle3ops.config import Config
+from eagle3ops.data.benchmarks import load_sets
 from eagle3ops.data.chat import prompt_ids
-from eagle3ops.data.conversations import DatasetError, normalise, read_jsonl
-from eagle3ops.decoding.speculative import AcceptanceStats, speculative_greedy, target_greedy
-from eagle3ops.formats.specforge import load_drafter
+from eagle3ops.decoding.engines import measure
+from eagle3ops.decoding.settings import SpecSettings
+from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate
+from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.metrics import record
-from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size
+from eagle3ops.modeling.identity import identity_params
+from eagle3ops.modeling.target import (default_aux_layers, load_target, load_tokenizer, model_size,
+                                      model_text_config)
 from eagle3ops.progress import progress
-from eagle3ops.tracking import stage_run
+from eagle3ops.tracking import scrub, stage_run
 
 
 def drafter_path(cfg: Config, drafter: str) -> Path:
@@ -21,56 +27,96 @@ def drafter_path(cfg: Config, drafter: str) -> Path:
     return Path(cfg.train.warm_start) if drafter == "baseline" else Path(cfg.train.out_dir) / drafter
 
 
-def load_prompts(path: str, limit: int | None) -> list[dict]:
-    prompts = []
-    for lineno, raw in read_jsonl(path):
-        record = normalise(raw, f"{path}:{lineno}")
-        if record["messages"][-1]["role"] == "assistant":
-            raise DatasetError(f"{path}:{lineno}: an eval prompt must end with a user turn")
-        prompts.append({**record, "set": raw.get("family", "all")})
-    if not prompts:
-        raise DatasetError(f"{path}: no prompts")
-    return prompts[:limit] if limit else prompts
+def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceStats], prompts_by_set: dict[str, int]
+                      ) -> dict:
+    """tau, per-position acceptance and counts, overall and per prompt set: what every backend reports."""
+    return {"tau": round(overall.tau, 4), **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
+            "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
+            "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
+            "prompts_by_set": prompts_by_set}
 
 
 def run(cfg: Config, drafter: str) -> None:
+    if cfg.eval.backend != "hf":
+        return run_on_engine(cfg, drafter)
     path = drafter_path(cfg, drafter)
-    with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, cfg.data.eval_prompts]) as tracked:
+    with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, *(s.path for s in cfg.eval.sets)],
+                   extra_params=identity_params(cfg.target)) as tracked:
         with tracked.phase("load"):
             tokenizer = load_tokenizer(cfg.target)
             target = load_target(cfg.target)
-            draft = load_drafter(path, target.get_input_embeddings().weight.detach().cpu()).to(target.device).eval()
-            draft.cfg.aux_layers = draft.cfg.aux_layers or default_aux_layers(target.config.num_hidden_layers)
-            prompts = load_prompts(cfg.data.eval_prompts, cfg.eval.max_prompts)
+            draft = load_any_drafter(path, target.get_input_embeddings().weight.detach().cpu()).to(target.device).eval()
+            depth = model_text_config(target).num_hidden_layers
+            draft.cfg.aux_layers = draft.cfg.aux_layers or default_aux_layers(depth)
+            sets = load_sets(cfg.eval.sets, cfg.eval.max_prompts)
+            prompts = [prompt for set_prompts in sets.values() for prompt in set_prompts]
         eos = {tokenizer.eos_token_id}
+        settings, batch_size = SpecSettings.from_config(cfg.eval), cfg.eval.batch_size
         overall, per_set = AcceptanceStats(cfg.eval.k), defaultdict(lambda: AcceptanceStats(cfg.eval.k))
         mismatched, spec_s, plain_s, spec_tokens, plain_tokens, in_vocab = [], 0.0, 0.0, 0, 0, 0
         with tracked.phase("decode"), progress(len(prompts), f"eval@{drafter}", "prompt") as bar:
-            for prompt in prompts:
-                ids = prompt_ids(tokenizer, prompt["messages"])
+            for first in range(0, len(prompts), batch_size):
+                chunk = prompts[first : first + batch_size]
+                ids = [prompt_ids(tokenizer, prompt["messages"]) for prompt in chunk]
+                seed = cfg.seed + first  # prompt i samples with seed + i, whatever the batch size
                 start = time.perf_counter()
-                tokens, stats = speculative_greedy(target, draft, ids, cfg.eval.k, cfg.eval.max_new_tokens, eos)
+                generations = speculative_generate(target, draft, ids, settings, cfg.eval.max_new_tokens, eos, seed)
                 spec_s += time.perf_counter() - start
-                start = time.perf_counter()
-                reference = target_greedy(target, ids, cfg.eval.max_new_tokens, eos)
+                start = time.perf_counter()  # the baseline: the target alone, same batch and sampling
+                references = target_generate(target, ids, cfg.eval.max_new_tokens, eos, settings.temperature,
+                                             settings.top_p, seed)
                 plain_s += time.perf_counter() - start
-                spec_tokens, plain_tokens = spec_tokens + len(tokens), plain_tokens + len(reference)
-                in_vocab += int(draft.t2d[torch.tensor(reference)].sum())
-                if tokens != reference:
-                    mismatched.append(prompt["id"])
-                overall.merge(stats)
-                per_set[prompt["set"]].merge(stats)
-                bar.update(1)
+                for prompt, generation, reference in zip(chunk, generations, references):
+                    spec_tokens, plain_tokens = spec_tokens + len(generation.tokens), plain_tokens + len(reference)
+                    in_vocab += int(draft.t2d[torch.tensor(reference)].sum())
+                    if settings.greedy and generation.tokens != reference:  # sampled runs differ by design
+                        mismatched.append(prompt["id"])
+                    overall.merge(generation.stats)
+                    per_set[prompt["set"]].merge(generation.stats)
+                bar.update(len(chunk))
         tracked.log_artifact(path, "drafter")
         if cfg.mlflow.registered_model:
             tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
         record(tracked, f"eval-{drafter}", {
             **model_size(target), "emitted_tokens": spec_tokens,
-            "drafter": drafter, "k": cfg.eval.k, "prompts": len(prompts), "tau": round(overall.tau, 4),
-            **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
-            "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
-            "lossless": not mismatched, "mismatched_prompts": len(mismatched), "mismatched_ids": mismatched[:20],
+            "drafter": drafter, "backend": "hf", "k": cfg.eval.k, "topk": settings.topk,
+            "num_draft_tokens": settings.tree_size + 1, "temperature": settings.temperature, "top_p": settings.top_p,
+            "batch_size": batch_size, "prompts": len(prompts),
+            **acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()}),
+            # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
+            **({"lossless": not mismatched, "mismatched_prompts": len(mismatched), "mismatched_ids": mismatched[:20]}
+               if settings.greedy else {}),
             "draft_vocab_coverage": round(in_vocab / max(1, plain_tokens), 4),  # target tokens it can draft at all
-            "tau_by_set": {name: round(s.tau, 4) for name, s in sorted(per_set.items())},
             "spec_tokens_per_s": round(spec_tokens / spec_s, 1), "target_tokens_per_s": round(plain_tokens / plain_s, 1),
+        })
+
+
+def run_on_engine(cfg: Config, drafter: str) -> None:
+    """eval.backend vllm | sglang: the same metrics, measured on the server at eval.server_url, which must be
+    serving the target with this drafter. Losslessness is not checked (the target's own output is not at hand)."""
+    path, ev = drafter_path(cfg, drafter), cfg.eval
+    with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, *(s.path for s in ev.sets)],
+                   extra_params=identity_params(cfg.target)) as tracked:
+        with tracked.phase("load"):
+            sets = load_sets(ev.sets, ev.max_prompts)
+            # SGLang is sent token ids, rendered with the target's chat template as the hf backend renders them
+            encode = partial(prompt_ids, load_tokenizer(cfg.target)) if ev.backend == "sglang" else None
+        with tracked.phase("decode"):
+            measured = measure(ev.backend, ev.server_url, sets, ev.k, ev.max_new_tokens, ev.temperature,
+                               ev.concurrency, f"eval@{drafter}", encode)
+        overall = AcceptanceStats.merged(ev.k, [result.stats for result in measured.values()])
+        fields = acceptance_fields(overall, {name: result.stats for name, result in measured.items()},
+                                   {name: len(set_prompts) for name, set_prompts in sets.items()})
+        if not all(result.per_position for result in measured.values()):
+            fields.update({f"accept_{i}": None for i in range(1, ev.k + 1)})
+        tokens = sum(result.completion_tokens for result in measured.values())
+        seconds = sum(result.seconds for result in measured.values())
+        tracked.log_artifact(path, "drafter")
+        if cfg.mlflow.registered_model:
+            tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
+        record(tracked, f"eval-{drafter}", {
+            "drafter": drafter, "backend": ev.backend, "server_url": scrub(ev.server_url), "k": ev.k,
+            "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
+            "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+            "concurrency": ev.concurrency, "temperature": ev.temperature,
         })

@@ -9,6 +9,7 @@ from eagle3ops.data.prepare import split, tokenize_dataset, write_tokenized
 from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, coverage
 from eagle3ops.fs import atomic_dir
 from eagle3ops.metrics import record
+from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_tokenizer
 from eagle3ops.tracking import stage_run
 
@@ -17,7 +18,8 @@ VOCAB_MAP = "vocab_map.safetensors"
 
 def run(cfg: Config) -> None:
     source = cfg.generate.out
-    with stage_run(cfg, "prepare", inputs=[source, cfg.target.path]) as tracked:
+    with stage_run(cfg, "prepare", inputs=[source, cfg.target.path],
+                   extra_params=identity_params(cfg.target)) as tracked:
         tokenizer = load_tokenizer(cfg.target)
         with tracked.phase("tokenize"):
             samples, stats = tokenize_dataset(tokenizer, load_conversations(source), cfg.data.max_len, source)

@@ -1,4 +1,5 @@
-"""Stage `report`: compare the variants (tau, per-position acceptance, stage timings) in markdown and PNG."""
+"""Stage `report`: compare the variants (tau overall and per benchmark set, per-position acceptance, stage
+timings) in markdown, CSV and PNG."""
 import tempfile
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pandas as pd
 from eagle3ops.config import TRAIN_INITS, Config
 from eagle3ops.fs import atomic_dir
 from eagle3ops.metrics import PLOTS_DIR, read_all
-from eagle3ops.reporting import acceptance_curve, markdown, plot
+from eagle3ops.reporting import acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
 from eagle3ops.tracking import scrub, stage_run, tracking_uri
 
 
@@ -21,6 +22,8 @@ def run(cfg: Config) -> None:
             (out / "summary.md").write_text(text)
             acceptance_curve(metrics).to_csv(out / "acceptance.csv", index=False)
             plot(metrics, histories, out / "comparison.png")
+            tau_by_set_table(metrics).to_csv(out / "tau_by_set.csv", index=False)
+            plot_tau_by_set(metrics, out / "tau_by_set.png")
         tracked.log_artifact(Path(cfg.report.out_dir), "report")
         tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
         with tempfile.TemporaryDirectory() as lineage:  # what `eagle3ops reproduce` needs, passwords masked

@@ -7,7 +7,8 @@ and the datasets, deterministically and offline.
     <zoo.dir>/predecessor-drafter/    SpecForge-layout drafter for the predecessor (stands in for the
                                       published Kimi-K2 drafter), trained by the same loop as the train stage
     <zoo.data_dir>/conversations.jsonl   drafter-training conversations, ShareGPT form, "raw" public-dataset style
-    <zoo.data_dir>/eval_prompts.jsonl    held-out prompts, OpenAI form, balanced over the task families
+    <zoo.data_dir>/bench/<family>.jsonl  held-out prompts, OpenAI form, one benchmark set per task family
+                                         (eval.sets, data/benchmarks.py)
 
 Nothing downstream knows these are tiny: they are read as any model directory and any downloaded drafter.
 Everything is built in temporary siblings and renamed into place at the end.
@@ -89,8 +90,10 @@ def build_zoo(cfg: Config, run) -> dict[str, float]:
         with run.phase("datasets"):
             write_jsonl_atomic(work / "data" / "conversations.jsonl",
                                (corpus.to_conversation(t, "raw", f"conv-{i:06d}") for i, t in enumerate(dataset_tasks)))
-            write_jsonl_atomic(work / "data" / "eval_prompts.jsonl",
-                               (corpus.to_prompt_record(t, f"eval-{i:04d}") for i, t in enumerate(eval_tasks)))
+            for family in corpus.FAMILIES:
+                write_jsonl_atomic(work / "data" / "bench" / f"{family}.jsonl",
+                                   (corpus.to_prompt_record(t, f"eval-{i:04d}") for i, t in enumerate(eval_tasks)
+                                    if t.family == family))
 
         models_dir.mkdir(parents=True, exist_ok=True)
         for name in ("predecessor", "successor", "predecessor-drafter"):
