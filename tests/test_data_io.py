@@ -157,6 +157,24 @@ def test_shard_round_trip_and_manifest(tmp_path):
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".partial")]
 
 
+def test_resumed_writer_counts_skipped_inputs(tmp_path):
+    """An input skipped before a complete shard (NaN states) is not done again by a resumed run."""
+    out = tmp_path / "features"
+    samples = ragged_samples()
+    writer = ShardWriter(out, samples_per_shard=2, resumable=True)
+    writer.add(*samples[0])
+    writer.skip(samples[1][0])
+    writer.add(*samples[2])  # completes the first shard: 3 inputs behind it
+    writer.add(*samples[3])  # pending, lost with the "crash"
+    resumed = ShardWriter(out, samples_per_shard=2, resumable=True)
+    assert resumed.samples_done == 3 and resumed.skipped_ids == ["s1"]
+    resumed.add(*samples[3])
+    resumed.add(*samples[4])
+    manifest = resumed.close()
+    assert manifest["samples"] == 4 and manifest["shards"][0]["skipped"] == ["s1"]
+    assert [sample_id for sample_id, _ in iter_samples(out)] == ["s0", "s2", "s3", "s4"]
+
+
 def test_corrupted_shard_is_detected(tmp_path):
     out = tmp_path / "train"
     write_shards(out)
@@ -265,3 +283,20 @@ def test_tiny_dataset_fallback_is_order_independent():
     _, held_a = split([{"id": i} for i in ids], 0.05)
     _, held_b = split([{"id": i} for i in reversed(ids)], 0.05)
     assert held_a == held_b
+
+
+def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle3ops.data.shards import write_safetensors
+
+    parts = {"h": [torch.randn(3, 4).to(torch.bfloat16), torch.zeros(0, 4, dtype=torch.bfloat16),
+                   torch.randn(2, 4).to(torch.bfloat16)],
+             "mask": [torch.tensor([True, False]), torch.tensor([True])],
+             "ids": [torch.arange(5, dtype=torch.int32)[::2]]}  # a strided part is written as its values
+    digest = write_safetensors(tmp_path / "x.safetensors", parts, {"note": "n"})
+    assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    for name, pieces in parts.items():
+        assert torch.equal(loaded[name], torch.cat(pieces)), name
+        assert loaded[name].dtype == pieces[0].dtype

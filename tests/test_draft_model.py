@@ -45,8 +45,8 @@ def test_ttt_attention_matches_dense_masked_attention():
         outs = [attn.forward_ttt(x, cos, sin, cache) for x in xs]
         for k in range(K):
             q, _, _ = attn._qkv(xs[k], cos, sin)
-            keys = torch.cat([cache[j][0] for j in range(k + 1)], dim=2)  # [B, nh, (k+1)T, hd]
-            values = torch.cat([cache[j][1] for j in range(k + 1)], dim=2)
+            keys = torch.cat([attn._expand(cache[j][0]) for j in range(k + 1)], dim=2)  # [B, nh, (k+1)T, hd]
+            values = torch.cat([attn._expand(cache[j][1]) for j in range(k + 1)], dim=2)
             dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_mask(T, k))
             expected = attn.o_proj(dense.transpose(1, 2).reshape(B, T, -1))
             torch.testing.assert_close(outs[k], expected, rtol=1e-5, atol=1e-5)
@@ -175,3 +175,68 @@ def test_load_drafter_rejects_foreign_embedding(tmp_path):
     save_drafter(make_draft(), tmp_path / "d")
     with pytest.raises(ValueError, match="target embedding"):
         load_drafter(tmp_path / "d", torch.zeros(V + 1, H))
+
+
+@pytest.mark.parametrize("heads,kv_heads,T", [(4, 4, 16), (4, 2, 37)])
+def test_flex_ttt_attention_equals_the_reference(heads, kv_heads, T):
+    """The GPU kernel's block mask and key layout, run unfused on the CPU, against the explicit TTT attention."""
+    from eagle3ops.modeling.draft import Attention, ttt_attention_flex
+
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      vocab_size=50, draft_vocab_size=20, target_hidden_size=32, head_dim=8)
+    attention = Attention(cfg)
+    B, hd = 2, cfg.head_dim
+    cache = []
+    for step in range(4):
+        q = torch.randn(B, heads, T, hd)
+        cache.append((torch.randn(B, kv_heads, T, hd), torch.randn(B, kv_heads, T, hd)))
+        expected = attention.ttt_attention_reference(q, cache)
+        assert torch.allclose(ttt_attention_flex(q, cache), expected, atol=1e-5), step
+
+
+def reference_ttt_loss(draft, ids, aux, final, mask, head, steps, decay):
+    """The TTT loss written plainly: full logits, shifted copies, log-softmax, one step after another."""
+    logits_target = final @ head.T  # [B, T, V]
+    probs = logits_target[..., draft.t2d].softmax(-1)
+    in_draft = draft.t2d[logits_target.argmax(-1)]
+    B, T = ids.shape
+    hidden, cache, total = draft.fuse(aux), [], 0.0
+    inputs = shift_left(ids)
+    for k in range(steps):
+        hidden, logits = draft.step(inputs, hidden, torch.arange(T).expand(B, T), ttt_cache=cache)
+        loss, count = 0.0, 0
+        for b in range(B):
+            for t in range(T - k - 2):
+                if mask[b, t + k + 2] and in_draft[b, t + k + 1]:
+                    loss = loss - (probs[b, t + k + 1] * F.log_softmax(logits[b, t], -1)).sum()
+                    count += 1
+        total = total + decay**k * loss / max(count, 1)
+        inputs = shift_left(inputs)
+    return total
+
+
+def test_ttt_loss_and_gradients_equal_the_plain_reference():
+    draft = make_draft(heads=2, kv_heads=1)
+    torch.manual_seed(3)
+    B, T = 2, 10
+    ids = torch.randint(0, V, (B, T))
+    aux, final, head = torch.randn(B, T, 3 * H), torch.randn(B, T, H), torch.randn(V, H)
+    mask = (torch.rand(B, T) > 0.3).long()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    fast = ttt_loss(draft, ids, aux, final, mask, head, ttt_steps=4, decay=0.8).loss
+    fast_grads = torch.autograd.grad(fast, params)
+    plain = reference_ttt_loss(draft, ids, aux, final, mask, head, 4, 0.8)
+    plain_grads = torch.autograd.grad(plain, params)
+    assert math.isclose(float(fast), float(plain), rel_tol=1e-5)
+    for p, a, b in zip(params, fast_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_soft_cross_entropy_gradient():
+    from eagle3ops.modeling.draft import SoftCrossEntropy
+
+    logits = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(3, 5, 7, dtype=torch.float64).softmax(-1)
+    assert torch.autograd.gradcheck(lambda z: SoftCrossEntropy.apply(z, target), (logits,))
+    torch.testing.assert_close(SoftCrossEntropy.apply(logits, target), -(target * logits.log_softmax(-1)).sum(-1))

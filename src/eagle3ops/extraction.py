@@ -7,6 +7,8 @@ it with the target's lm_head, so no [T, V] logits are stored).
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
 from eagle3ops.progress import progress
-from eagle3ops.modeling.target import DTYPES, capture
+from eagle3ops.modeling.target import DTYPES, capture, model_text_config
 
 
 @dataclass
@@ -40,53 +42,128 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
     its own positions, so batch composition cannot leak into the stored states. Shards hold the samples in
     that (deterministic) length order, each under its id, and whole batches only (samples_per_shard is rounded
     up to a multiple of batch_size): a run resumed after its last complete shard (`resumable`) forms the very
-    same batches, so its shards are byte for byte those of an uninterrupted run."""
+    same batches, so its shards are byte for byte those of an uninterrupted run.
+
+    Three things overlap: the target's forward of batch i+1 on the device, the copy of batch i's states to the
+    host, and the writing of finished shards by a background thread. At most `QUEUED_BATCHES` batches wait for
+    the writer, so host memory stays bounded by about one shard plus those batches."""
     device = model.device
     store_dtype = DTYPES[dtype]
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
     samples_per_shard = math.ceil(samples_per_shard / batch_size) * batch_size
     writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable,
-                         meta={**(meta or {}), "aux_layers": aux_layers, "hidden_size": model.config.hidden_size,
-                               "dtype": dtype})
+                         meta={**(meta or {}), "aux_layers": aux_layers,
+                               "hidden_size": model_text_config(model).hidden_size, "dtype": dtype})
     done = writer.samples_done
     if done:
         print(f"{desc}: resuming after {done} of {len(samples)} samples (complete shards kept)", flush=True)
-    start, tokens, nonfinite = time.perf_counter(), 0, []
-    allowed = int(max_nonfinite_fraction * len(samples))
+    sink = _BatchWriter(writer, samples, int(max_nonfinite_fraction * len(samples)), max_nonfinite_fraction)
+    start, tokens = time.perf_counter(), 0
     try:
         with capture(model, aux_layers) as hooks, progress(len(samples), desc, "sample", initial=done) as bar:
             for first in range(done, len(order), batch_size):
                 rows = order[first : first + batch_size]
                 lengths = [len(samples[i]["input_ids"]) for i in rows]
                 ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
-                mask = torch.zeros_like(ids)
                 for r, i in enumerate(rows):
                     ids[r, : lengths[r]] = torch.tensor(samples[i]["input_ids"])
-                    mask[r, : lengths[r]] = 1
-                model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, logits_to_keep=1)
-                aux, final = hooks.aux().to(store_dtype).cpu(), hooks.final().to(store_dtype).cpu()
-                for r, i in enumerate(rows):
-                    n = lengths[r]
-                    if not (torch.isfinite(aux[r, :n]).all() and torch.isfinite(final[r, :n]).all()):
-                        nonfinite.append(samples[i]["id"])  # poison for training: skip and count
-                        if len(nonfinite) > allowed:
-                            raise NonFiniteError(
-                                f"{len(nonfinite)} of {len(samples)} samples gave NaN/inf hidden states (first: "
-                                f"{nonfinite[:5]}), more than extract.max_nonfinite_fraction={max_nonfinite_fraction}"
-                                f"; check target.dtype (float16 overflows) and the weights")
-                        continue
-                    writer.add(samples[i]["id"], {
-                        "input_ids": ids[r, :n].to(torch.int32),
-                        "loss_mask": torch.tensor(samples[i]["loss_mask"], dtype=torch.uint8),
-                        "aux_hidden": aux[r, :n].clone(), "final_hidden": final[r, :n].clone()})
+                mask = torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]  # [B, T] real positions
+                mask_on_device = mask.to(device, non_blocking=True)
+                model(input_ids=ids.to(device, non_blocking=True), attention_mask=mask_on_device.long(),
+                      use_cache=False, logits_to_keep=1)
+                aux, final = hooks.aux().to(store_dtype), hooks.final().to(store_dtype)  # [B, T, 3H], [B, T, H]
+                finite = (aux.isfinite().all(-1) & final.isfinite().all(-1) | ~mask_on_device).all(-1)  # [B]
+                # Only the real positions travel, packed sample after sample: [sum(lengths), 3H] and [.., H].
+                sink.put(rows, lengths, ids, _to_host(aux[mask_on_device]), _to_host(final[mask_on_device]),
+                         _to_host(finite))
                 tokens += sum(lengths)
                 bar.update(len(rows))
+        sink.close()
         manifest = writer.close()
     except BaseException:
+        sink.abandon()
         if not resumable:
             writer.abort()
         raise
-    return ExtractResult(manifest["samples"], tokens, time.perf_counter() - start, manifest, nonfinite)
+    return ExtractResult(manifest["samples"], tokens, time.perf_counter() - start, manifest, sink.nonfinite)
+
+
+QUEUED_BATCHES = 2
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying to (pinned) host memory; the event says when the copy is done. On the CPU: the tensor."""
+    if not tensor.is_cuda:
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class _BatchWriter:
+    """The background thread that turns copied batches into samples for the ShardWriter (which writes a shard
+    whenever it has enough). An error there (a full disk, too many NaN samples) is raised in the caller."""
+
+    def __init__(self, writer: ShardWriter, samples: list[dict], allowed_nonfinite: int, fraction: float):
+        self.writer, self.samples = writer, samples
+        self.allowed, self.fraction = allowed_nonfinite, fraction
+        self.nonfinite = writer.skipped_ids  # ids of samples skipped for NaN/inf hidden states, also before a resume
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUED_BATCHES)
+        self.thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, *batch) -> None:
+        self._raise()
+        self.queue.put(batch)
+
+    def _run(self) -> None:
+        while (batch := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self._write(*batch)
+                except BaseException as err:  # handed to the caller's thread
+                    self.error = err
+
+    def _write(self, rows, lengths, ids, aux, final, finite) -> None:
+        for copied in (aux, final, finite):
+            if copied[1] is not None:
+                copied[1].synchronize()
+        offset = 0
+        for r, (i, n) in enumerate(zip(rows, lengths)):
+            sample = self.samples[i]
+            if not finite[0][r]:
+                self.nonfinite.append(sample["id"])  # poison for training: skip and count
+                self.writer.skip(sample["id"])
+                if len(self.nonfinite) > self.allowed:
+                    raise NonFiniteError(
+                        f"{len(self.nonfinite)} of {len(self.samples)} samples gave NaN/inf hidden states (first: "
+                        f"{self.nonfinite[:5]}), more than extract.max_nonfinite_fraction={self.fraction}; "
+                        f"check target.dtype (float16 overflows) and the weights")
+            else:
+                self.writer.add(sample["id"], {
+                    "input_ids": ids[r, :n].to(torch.int32),
+                    "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8),
+                    "aux_hidden": aux[0][offset : offset + n], "final_hidden": final[0][offset : offset + n]})
+            offset += n
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Wait until every queued batch is with the ShardWriter."""
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()
+
+    def abandon(self) -> None:
+        if self.thread.is_alive():
+            self.error = self.error or RuntimeError("abandoned")
+            self.queue.put(None)
+            self.thread.join()
 
 
 class NonFiniteError(InputError):

@@ -40,9 +40,16 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+GPU_LENGTH_BUCKET = 256  # compiled kernels exist per length: bucket lengths so few are built
+
+
 def pad_batch(samples: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad ragged samples ({name: [T_i, ...]}) to [B, T_max, ...]."""
+    """Right-pad ragged samples ({name: [T_i, ...]}) to [B, T_max, ...]; on a GPU T_max is rounded up to a
+    multiple of GPU_LENGTH_BUCKET. Padding changes nothing: causal attention never looks right, and padded
+    positions carry loss_mask 0."""
     length = max(s["input_ids"].shape[0] for s in samples)
+    if device.type == "cuda":
+        length = math.ceil(length / GPU_LENGTH_BUCKET) * GPU_LENGTH_BUCKET
     batch = {}
     for name in samples[0]:
         first = samples[0][name]
@@ -116,10 +123,11 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     RNG, so the final weights equal those of an uninterrupted run.
     """
     seed_everything(seed)
-    draft.to(device).train()
-    lm_head = lm_head.to(device)
+    to_training_device(draft, device)
+    lm_head = lm_head.to(device, torch.bfloat16 if device.type == "cuda" else lm_head.dtype)  # as the target has it
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                  fused=device.type == "cuda")
     if optimizer_state is not None and state is None:
         continue_moments(optimizer, optimizer_state)
     steps_per_epoch = math.ceil(len(train_samples) / optim.batch_size)
@@ -171,6 +179,17 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     if log and final:
         log(step, final)
     return TrainResult(step, tokens, wall, final, history, resumed_at), snapshot()
+
+
+def to_training_device(draft: Eagle3Draft, device: torch.device) -> Eagle3Draft:
+    """Move the drafter for training. On a GPU its frozen embedding (the target's, only looked up) is kept in
+    bf16 as the target keeps it, and the blocks around the attention are compiled (see `pad_batch` for the
+    lengths that keeps the number of compiled shapes small)."""
+    draft.to(device).train()
+    if device.type == "cuda":
+        draft.embed_tokens.to(torch.bfloat16)
+        draft.compile_dense_blocks()
+    return draft
 
 
 def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:

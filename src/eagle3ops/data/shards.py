@@ -15,13 +15,14 @@ import errno
 import json
 import os
 import shutil
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from eagle3ops.errors import InputError
 from eagle3ops.fs import write_json_atomic
@@ -39,6 +40,41 @@ def sha256_file(path: Path) -> str:
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
+    return digest.hexdigest()
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, columns: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> str:
+    """Write a safetensors file whose tensor `name` is the concatenation (along dim 0) of `columns[name]`,
+    straight from the parts' memory: no packed copy and no serialised copy of a multi-GB shard. The sha256 is
+    computed by a second thread while the first writes (both release the GIL), and the file is fsynced.
+    Returns the file's sha256."""
+    header: dict = {"__metadata__": metadata}
+    chunks: list[memoryview] = []
+    offset = 0
+    for name in sorted(columns):
+        parts = [part.contiguous() for part in columns[name]]
+        size = sum(part.numel() * part.element_size() for part in parts)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[parts[0].dtype],
+                        "shape": [sum(part.shape[0] for part in parts), *parts[0].shape[1:]],
+                        "data_offsets": [offset, offset + size]}
+        chunks += [memoryview(part.reshape(-1).view(torch.uint8).numpy()) for part in parts if part.numel()]
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
+    chunks.insert(0, memoryview(struct.pack("<Q", len(encoded)) + encoded))
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(1) as hasher:
+        hashed = hasher.submit(lambda: [digest.update(chunk) for chunk in chunks])
+        with path.open("wb") as out:  # written by us, so a full disk surfaces as ENOSPC
+            for chunk in chunks:
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        hashed.result()
     return digest.hexdigest()
 
 
@@ -60,6 +96,7 @@ class ShardWriter:
         self._tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial")
         self._pending: list[dict[str, torch.Tensor]] = []
         self._ids: list[str] = []
+        self._skipped: list[str] = []  # inputs left out since the last shard (e.g. NaN hidden states)
         self._shards: list[dict] = self._resume() if self.resumable else []
         if not self._shards:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -79,7 +116,16 @@ class ShardWriter:
 
     @property
     def samples_done(self) -> int:
-        return sum(s["samples"] for s in self._shards)
+        """Inputs the complete shards account for: those written and those skipped (`skip`) before them."""
+        return sum(s["samples"] + len(s.get("skipped", [])) for s in self._shards)
+
+    @property
+    def skipped_ids(self) -> list[str]:
+        return [i for s in self._shards for i in s.get("skipped", [])] + self._skipped
+
+    def skip(self, sample_id: str) -> None:
+        """Count an input that gets no sample, so that a resumed run does not do it again."""
+        self._skipped.append(sample_id)
 
     def add(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
         self._pending.append(tensors)
@@ -91,16 +137,12 @@ class ShardWriter:
         if not self._pending:
             return
         lengths = [next(iter(sample.values())).shape[0] for sample in self._pending]
-        packed = {name: torch.cat([s[name] for s in self._pending]).contiguous() for name in self._pending[0]}
-        packed["offsets"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        columns = {name: [s[name] for s in self._pending] for name in self._pending[0]}
+        columns["offsets"] = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)]
         name = f"shard-{len(self._shards):05d}.safetensors"
         incomplete = self._tmp / f".{name}.tmp"
-        data = save(packed, metadata={"sample_ids": json.dumps(self._ids)})
         try:
-            with incomplete.open("wb") as out:  # written by us, so a full disk surfaces as ENOSPC
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+            digest = write_safetensors(incomplete, columns, {"sample_ids": json.dumps(self._ids)})
         except OSError as err:
             incomplete.unlink(missing_ok=True)
             if err.errno != errno.ENOSPC:
@@ -110,9 +152,9 @@ class ShardWriter:
                                 f"{len(self._shards)} complete shards are kept: free space and run again to resume"
                                 ) from None
         os.replace(incomplete, self._tmp / name)
-        self._shards.append({"file": name, "sha256": sha256_file(self._tmp / name),
-                             "samples": len(lengths), "tokens": int(sum(lengths))})
-        self._pending, self._ids = [], []
+        self._shards.append({"file": name, "sha256": digest, "samples": len(lengths), "tokens": int(sum(lengths)),
+                             **({"skipped": self._skipped} if self._skipped else {})})
+        self._pending, self._ids, self._skipped = [], [], []
         if self.resumable:
             write_json_atomic(self._tmp / PROGRESS, {"meta": self.meta, "samples_per_shard": self.samples_per_shard,
                                                      "shards": self._shards})

@@ -13,6 +13,7 @@ Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` check
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -92,6 +93,47 @@ class KVCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
+@functools.cache
+def _ttt_block_mask(T: int, steps: int, device: str):
+    """Which keys of cat(K_0, ..., K_{steps-1}) [steps * T] query t sees: K_0[<= t] and K_j[t] (j >= 1).
+    Built once per (length, step): flex attention then skips the empty tiles, so steps 1..k cost only
+    their diagonal tiles instead of the (k+1) T^2 scores an explicit mask would compute."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q_idx, kv_idx):
+        block, position = kv_idx // T, kv_idx % T
+        return ((block == 0) & (position <= q_idx)) | ((block > 0) & (position == q_idx))
+
+    return create_block_mask(visible, None, None, T, steps * T, device=device)
+
+
+def allow_recompiles() -> None:
+    """One compiled graph per (batch, length, TTT step): lengths are bucketed by the training loop, and the
+    default limit of 8 graphs would silently fall back to the unfused kernels on the second batch shape."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+
+
+@functools.cache
+def _flex_kernel(device_type: str):
+    """Compiled on a GPU (the fused kernel); eager elsewhere, where it runs the same math unfused."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention
+    allow_recompiles()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The TTT attention in one fused kernel: q [B, nh, T, hd] over cat(K_0..K_k) [B, nkv, (k+1)T, hd]."""
+    T, steps = q.shape[2], len(ttt_cache)
+    keys = torch.cat([k for k, _ in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][0]
+    values = torch.cat([v for _, v in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][1]
+    return _flex_kernel(q.device.type)(q, keys, values, block_mask=_ttt_block_mask(T, steps, str(q.device)),
+                            enable_gqa=q.shape[1] != keys.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -100,6 +142,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.kernel = "auto"  # TTT attention: flex (fused), reference (explicit), auto = flex on a GPU
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
@@ -113,20 +156,31 @@ class Attention(nn.Module):
 
     def forward_ttt(self, x, cos, sin, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """TTT step k = len(ttt_cache): queries attend causally to step-0 keys and to the keys of steps 1..k at
-        their own position only. x [B, T, 2H] -> [B, T, H]; appends this step's keys/values to `ttt_cache`."""
+        their own position only. x [B, T, 2H] -> [B, T, H]; appends this step's keys/values [B, nkv, T, hd]
+        to `ttt_cache`. On a GPU one fused flex-attention kernel does it (`ttt_attention_flex`), anywhere else
+        the explicit form below, which is also the reference the tests hold the kernel to."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        ttt_cache.append((self._expand(k), self._expand(v)))
-        (k0, v0), later = ttt_cache[0], ttt_cache[1:]
+        ttt_cache.append((k, v))
+        if self.kernel == "flex" or (self.kernel == "auto" and x.is_cuda):
+            out = ttt_attention_flex(q, ttt_cache)
+        else:
+            out = self.ttt_attention_reference(q, ttt_cache)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def ttt_attention_reference(self, q: torch.Tensor, ttt_cache: list) -> torch.Tensor:
+        """q [B, nh, T, hd] -> [B, nh, T, hd]: step-0 scores [T, T] causal, steps 1..k one score per position."""
+        T = q.shape[2]
+        (k0, v0), *later = [(self._expand(k), self._expand(v)) for k, v in ttt_cache]
         scale = 1.0 / math.sqrt(self.hd)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, nh, T, T]
         diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in later]  # k x [B, nh, T, 1]
         weights = torch.cat([scores0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nh, T, T + k]
         out = weights[..., :T] @ v0  # [B, nh, T, hd]
         for j, (_, vj) in enumerate(later):
             out = out + weights[..., T + j : T + j + 1] * vj
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return out
 
     def forward_cached(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
         """Serving: new positions attend causally to everything cached. x [B, n, 2H] -> [B, n, H]."""
@@ -161,12 +215,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, embeds, hidden, cos, sin, ttt_cache=None, kv_cache=None) -> torch.Tensor:
         """embeds, hidden [B, T, H] -> new hidden [B, T, H] (pre-norm residual stream)."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        x = self.attention_input(embeds, hidden)  # [B, T, 2H]
         if kv_cache is not None:
             attn = self.self_attn.forward_cached(x, cos, sin, kv_cache)
         else:
             attn = self.self_attn.forward_ttt(x, cos, sin, ttt_cache)
-        hidden = hidden + attn
+        return self.feed_forward(hidden + attn)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -194,6 +253,14 @@ class Eagle3Draft(nn.Module):
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache, kv_cache)
         return hidden, self.lm_head(self.norm(hidden))
 
+    def compile_dense_blocks(self) -> None:
+        """Compile the blocks around the attention (norms, concatenation, SwiGLU, residual adds) into fused
+        kernels: on a GPU they are many small memory-bound kernels per TTT step otherwise."""
+        allow_recompiles()
+        layer = self.midlayer
+        layer.attention_input = torch.compile(layer.attention_input, dynamic=False)
+        layer.feed_forward = torch.compile(layer.feed_forward, dynamic=False)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
@@ -203,15 +270,19 @@ def shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
     return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], dim=1)
 
 
+@torch.no_grad()
 def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor, torch.Tensor]:
     """Target's next-token distribution restricted to the draft vocabulary.
 
     final_hidden [B, T, Ht] (after the target's final norm), lm_head_weight [V, Ht]
     -> probs [B, T, Vd], in_draft [B, T] (the target's argmax is a draft token; only such positions count).
+    The full-vocabulary logits serve the argmax alone; the softmax needs only the draft rows of lm_head. On a
+    GPU both products run in bf16, as the target computes its own logits, and the softmax in fp32.
     """
-    logits = final_hidden.float() @ lm_head_weight.float().T  # [B, T, V]
-    in_draft = t2d[logits.argmax(-1)]
-    return logits[..., t2d].softmax(-1), in_draft
+    dtype = torch.bfloat16 if final_hidden.is_cuda else torch.float32
+    hidden, weight = final_hidden.to(dtype), lm_head_weight.to(dtype)
+    in_draft = t2d[(hidden @ weight.T).argmax(-1)]  # [B, T, V] -> [B, T]
+    return (hidden @ weight[t2d].T).float().softmax(-1), in_draft
 
 
 @dataclass
@@ -223,6 +294,27 @@ class TTTResult:
     masked: list[int]  # loss-masked positions at step k, counted or not: counted/masked is the vocab coverage
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """-(p * log_softmax(z)).sum(-1) per row, for draft logits z [..., Vd] and target probabilities p [..., Vd].
+
+    Keeps z (bf16 under autocast) and its log-sum-exp for backward instead of a float32 log-softmax, which
+    halves what each TTT step holds, and rebuilds the gradient softmax(z) * sum(p) - p from them.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
+        lse = torch.logsumexp(z, dim=-1)  # [...]
+        ctx.save_for_backward(logits, target, lse)
+        return lse * target.sum(-1) - (target * z).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        softmax = torch.exp(logits.to(lse.dtype) - lse[..., None])
+        return ((softmax * target.sum(-1, keepdim=True) - target) * grad[..., None]).to(logits.dtype), None
+
+
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
              ttt_steps: int = 7, decay: float = 0.8) -> TTTResult:
     """Training-time test: K draft steps, each feeding its own output hidden state to the next.
@@ -231,29 +323,31 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     tokens the drafter must predict. Step k at position t sees emb(x_{t+k+1}), predicts x_{t+k+2} against the
     target's distribution at t+k+1, and counts where loss_mask[t+k+2] is 1 and the target's argmax is in
     the draft vocabulary (a token outside it can never be drafted; acc_k leaves it out, as SpecForge does,
-    so acc_k * coverage is the share of all masked tokens the drafter gets right).
+    so acc_k * coverage is the share of all masked tokens the drafter gets right). The target side is
+    computed once and read through views at each step's offset, never copied per step.
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    target_p, in_draft = target_distribution(final_hidden, lm_head_weight, draft.t2d)
+    target_p, in_draft = target_distribution(final_hidden, lm_head_weight, draft.t2d)  # x_{j+1} at j
+    target_top = target_p.argmax(-1)  # [B, T] the target's choice, as a draft id
+    mask = loss_mask.bool()
     next_ids = shift_left(input_ids)  # x_{t+1} at t
-    target_p = shift_left(target_p)  # distribution of x_{t+2} at t
-    masked = shift_left(loss_mask, 2).bool()  # x_{t+2} is an assistant token
-    counted = shift_left(in_draft) & masked  # [B, T]
     hidden = draft.fuse(aux_hidden)
     ttt_cache: list = []
     total = hidden.new_zeros((), dtype=torch.float32)
     per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
     for k in range(ttt_steps):
         hidden, logits = draft.step(next_ids, hidden, positions, ttt_cache=ttt_cache)
-        logp = logits.float().log_softmax(-1)  # [B, T, Vd]
-        n = counted.sum()
-        loss_k = -((target_p * logp).sum(-1) * counted).sum() / n.clamp(min=1)
-        correct = ((logits.argmax(-1) == target_p.argmax(-1)) & counted).sum()
+        n = max(0, T - k - 2)  # positions t whose target token x_{t+k+2} exists
+        aligned = slice(k + 1, k + 1 + n)  # target side of position t at t+k+1
+        masked = mask[:, k + 2 : k + 2 + n]  # [B, n] x_{t+k+2} is an assistant token
+        counted = masked & in_draft[:, aligned]
+        count = counted.sum()
+        loss_k = (SoftCrossEntropy.apply(logits[:, :n], target_p[:, aligned]) * counted).sum() / count.clamp(min=1)
+        correct = ((logits[:, :n].argmax(-1) == target_top[:, aligned]) & counted).sum()
         total = total + decay**k * loss_k
-        per_step.append(torch.stack([loss_k.detach(), correct.float(), n.float(), masked.sum().float()]))
-        next_ids, target_p = shift_left(next_ids), shift_left(target_p)
-        counted, masked = shift_left(counted), shift_left(masked)
+        per_step.append(torch.stack([loss_k.detach(), correct.float(), count.float(), masked.sum().float()]))
+        next_ids = shift_left(next_ids)
     losses, corrects, counts, masks = torch.stack(per_step).T.tolist()
     return TTTResult(total, losses, [c / max(1, n) for c, n in zip(corrects, counts)],
                      [int(n) for n in counts], [int(m) for m in masks])

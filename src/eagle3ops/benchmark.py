@@ -1,0 +1,389 @@
+"""`eagle3ops bench`: extraction and drafter-training speed, against the machine's own limits and a naive
+baseline measured in the same run.
+
+Targets and drafters are built from architecture configs with random weights (speed does not depend on the
+values). Figures:
+- ceilings: bf16 matrix product TFLOP/s, device copy GB/s (bytes read + written), disk write with fsync GB/s;
+- extraction: the naive pipeline (`output_hidden_states=True`, copy to host and save after each batch) and ours
+  (extraction.extract_features: hooks, length-sorted batches, overlapped copies and shard writing), tokens/s,
+  disk GB/s, MFU = 2 * target params * tokens/s over the measured matrix ceiling;
+- training: one optimizer step of the TTT loss (modeling/draft.py) at each batch size and length, the first
+  step (compilation included) apart, tokens/s, peak memory, MFU from the step's counted FLOPs; `reference`
+  rows run the explicit TTT attention (scores materialised), `flex` rows the fused kernel.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
+from eagle3ops.training import to_training_device
+
+
+@dataclass
+class BenchSize:
+    """One benchmark scale: the target architecture (a presets/*.json or an inline config) and the workloads."""
+    architecture: dict
+    draft_vocab_size: int
+    extract_seq_len: int
+    extract_sequences: int
+    extract_batch_size: int
+    train_batches: list[int]  # batch sizes at train_seq_len
+    train_seq_len: int
+    long_seq_lens: list[int]  # batch 1
+    train_steps: int
+    matmul_n: int
+    disk_bytes: int
+
+
+TINY_ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 128,
+             "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+             "max_position_embeddings": 2048, "rope_theta": 10000.0}
+
+
+def _preset_architecture(name: str) -> dict:
+    return json.loads((Path(__file__).parent / "presets" / name).read_text())
+
+
+SIZES = {
+    "tiny": lambda: BenchSize(TINY_ARCH, 256, 256, 32, 8, [1, 4], 256, [512], 4, 512, 32 << 20),
+    "8b": lambda: BenchSize(_preset_architecture("llama-3.1-8b.json"), 32000, 2048, 96, 8, [1, 2, 4], 2048,
+                            [4096, 8192, 16384], 8, 8192, 4 << 30),
+}
+
+
+# ----------------------------------------------------------------------------------------------- timing, ceilings
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int = 10, warmup: int = 3) -> float:
+    """Mean seconds of `fn()` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def measure_ceilings(device: torch.device, matmul_n: int, disk_dir: Path, disk_bytes: int) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype), torch.randn(matmul_n, matmul_n, device=device,
+                                                                                    dtype=dtype)
+    matmul_s = timed(lambda: a @ b, device)
+    source = torch.empty(disk_bytes // 2, dtype=torch.bfloat16, device=device)
+    destination = torch.empty_like(source)
+    copy_s = timed(lambda: destination.copy_(source), device)
+    del a, b, source, destination
+    return {"matmul_tflops": 2 * matmul_n**3 / matmul_s / 1e12, "matmul_dtype": str(dtype).removeprefix("torch."),
+            "copy_gbps": 2 * disk_bytes / copy_s / 1e9, "disk_write_gbps": measure_disk(disk_dir, disk_bytes)}
+
+
+def measure_disk(directory: Path, total: int, block: int = 64 << 20) -> float:
+    """Sequential write of `total` bytes in `block`-sized writes, fsync at the end: what a shard writer can get."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path, data = directory / "disk-probe.bin", bytes(min(block, total))
+    start = time.perf_counter()
+    with path.open("wb") as out:
+        for _ in range(max(1, total // len(data))):
+            out.write(data)
+        out.flush()
+        import os
+
+        os.fsync(out.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return max(1, total // len(data)) * len(data) / seconds / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------- extraction
+
+def build_target(architecture: dict, device: torch.device, dtype: torch.dtype):
+    """A random-weight causal LM of this architecture, built directly on the device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in architecture.items() if not k.startswith("_")})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _samples(count: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"id": f"s{i:05d}", "input_ids": torch.randint(0, vocab, (length,), generator=generator).tolist(),
+             "loss_mask": [1] * length} for i in range(count)]
+
+
+@torch.no_grad()
+def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path) -> dict:
+    """What a first script does: all hidden states, copied to the host and saved synchronously per batch."""
+    import os
+
+    from safetensors.torch import save
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device, tokens, written = model.device, 0, 0
+    _sync(device)
+    start = time.perf_counter()
+    for first in range(0, len(samples), batch_size):
+        ids = torch.tensor([s["input_ids"] for s in samples[first : first + batch_size]], device=device)
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+        stacked = torch.stack([states[i] for i in aux_layers] + [states[-1]], dim=2).cpu()  # [B, T, 4, H]
+        data = save({"hidden_states": stacked, "input_ids": ids.cpu()})
+        with (out_dir / f"batch-{first:06d}.safetensors").open("wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        tokens, written = tokens + ids.numel(), written + len(data)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "disk_gbps": written / seconds / 1e9}
+
+
+def extract_ours(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path) -> dict:
+    from eagle3ops.extraction import extract_features
+
+    _sync(model.device)
+    start = time.perf_counter()
+    result = extract_features(model, samples, aux_layers, out_dir, batch_size, samples_per_shard=4 * batch_size,
+                              dtype="bfloat16", desc="bench extract")
+    seconds = time.perf_counter() - start
+    written = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+    return {"tokens": result.tokens, "seconds": seconds, "tokens_per_s": result.tokens / seconds,
+            "disk_gbps": written / seconds / 1e9}
+
+
+# ------------------------------------------------------------------------------------------------------ training
+
+def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
+    hidden = architecture["hidden_size"]
+    return DraftConfig(hidden_size=hidden, intermediate_size=architecture["intermediate_size"],
+                       num_attention_heads=architecture["num_attention_heads"],
+                       num_key_value_heads=architecture["num_key_value_heads"], vocab_size=architecture["vocab_size"],
+                       draft_vocab_size=draft_vocab_size, target_hidden_size=hidden, aux_layers=[2, 3, 4],
+                       head_dim=architecture.get("head_dim"), max_position_embeddings=32768)
+
+
+def train_step_flops(cfg: DraftConfig, batch: int, length: int, ttt_steps: int) -> float:
+    """FLOPs of one optimizer step: forward + backward (2x) of the drafter per TTT step, the fc once, and the
+    target's logits (forward only: the full vocabulary for the argmax, the draft rows for the distribution)."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_width, kv_width = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_token = 2 * (2 * H * (q_width + 2 * kv_width) + q_width * H + 3 * H * I + H * cfg.draft_vocab_size)
+    attention = 2 * 2 * q_width * (length / 2)  # causal step-0 scores and values; the diagonal terms are negligible
+    tokens = batch * length
+    drafter = 3 * ttt_steps * tokens * (per_token + attention) + 3 * tokens * 2 * 3 * cfg.target_hidden_size * H
+    target = tokens * 2 * cfg.target_hidden_size * (cfg.vocab_size + cfg.draft_vocab_size)
+    return drafter + target
+
+
+@dataclass
+class TrainBench:
+    kernel: str
+    batch: int
+    length: int
+    first_step_s: float
+    step_ms: float
+    tokens_per_s: float
+    peak_gib: float | None
+    tflops: float
+    losses: list[float] = field(default_factory=list)
+
+
+def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
+                ttt_steps: int = 7, seed: int = 0) -> TrainBench:
+    """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`); bf16 autocast on a GPU
+    with fp32 master weights, as the train stage runs."""
+    torch.manual_seed(seed)
+    draft = to_training_device(Eagle3Draft(cfg), device)
+    draft.midlayer.self_attn.kernel = kernel
+    vocab_rows = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
+    draft.d2t.copy_(vocab_rows - torch.arange(cfg.draft_vocab_size))
+    draft.t2d.zero_()
+    draft.t2d[vocab_rows] = True
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
+    lm_head = lm_head.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
+    aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device)
+    final = torch.randn(batch, length, cfg.target_hidden_size, device=device)
+    mask = torch.ones(batch, length, dtype=torch.long, device=device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    losses = []
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            result = ttt_loss(draft, ids, aux, final, mask, lm_head, ttt_steps)
+        optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        losses.append(round(result.losses[0], 5))
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - start
+    seconds = timed(step, device, repeats=steps, warmup=1)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    flops = train_step_flops(cfg, batch, length, ttt_steps)
+    return TrainBench(kernel, batch, length, round(first, 2), round(seconds * 1e3, 1), batch * length / seconds,
+                      round(peak, 2) if peak else None, flops / seconds / 1e12, losses)
+
+
+# ------------------------------------------------------------------------------------------------------ the run
+
+def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple[str, ...] = ("extract", "train"),
+              kernels: tuple[str, ...] = ("flex", "reference")) -> dict:
+    size = SIZES[size_name]()
+    arch = size.architecture
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"size": size_name, "device": _device_name(device), "torch": torch.__version__,
+                    "architecture": {k: arch[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}}
+    result["ceilings"] = measure_ceilings(device, size.matmul_n, work_dir, size.disk_bytes)
+    peak_tflops = result["ceilings"]["matmul_tflops"]
+    if "extract" in parts:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = build_target(arch, device, dtype)
+        params = sum(p.numel() for p in model.parameters())
+        layers = arch["num_hidden_layers"]
+        aux_layers = [2, layers // 2, layers - 3]
+        samples = _samples(size.extract_sequences, size.extract_seq_len, arch["vocab_size"])
+        rows = {}
+        for name, fn in (("naive", extract_naive), ("ours", extract_ours)):
+            out = work_dir / f"extract-{name}"
+            fn(model, samples[: size.extract_batch_size], aux_layers, size.extract_batch_size, work_dir / "warmup")
+            shutil.rmtree(work_dir / "warmup", ignore_errors=True)
+            row = fn(model, samples, aux_layers, size.extract_batch_size, out)
+            row["mfu"] = 2 * params * row["tokens_per_s"] / (peak_tflops * 1e12)
+            rows[name] = row
+            shutil.rmtree(out, ignore_errors=True)
+        forward_s = timed(lambda: model(input_ids=torch.tensor([s["input_ids"] for s in samples[: size.extract_batch_size]],
+                                                               device=device), logits_to_keep=1), device, repeats=3, warmup=1)
+        tokens = size.extract_batch_size * size.extract_seq_len
+        rows["forward_only"] = {"tokens_per_s": tokens / forward_s, "mfu": 2 * params * tokens / forward_s / (peak_tflops * 1e12)}
+        result["extract"] = {"target_params": params, "seq_len": size.extract_seq_len, "batch_size": size.extract_batch_size,
+                             "sequences": size.extract_sequences, "bytes_per_token": 4 * arch["hidden_size"] * 2, **rows}
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "train" in parts:
+        cfg = draft_config(arch, size.draft_vocab_size)
+        shapes = [(b, size.train_seq_len) for b in size.train_batches] + [(1, n) for n in size.long_seq_lens]
+        rows = []
+        for kernel in [k for k in kernels if k == "reference" or device.type == "cuda"]:  # flex trains on GPUs only
+            for batch, length in shapes:
+                try:
+                    bench = bench_train(cfg, batch, length, size.train_steps, device, kernel)
+                except torch.OutOfMemoryError:
+                    print(f"bench train {kernel} batch {batch} x {length}: out of memory", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                row = asdict(bench)
+                row["mfu"] = bench.tflops / peak_tflops
+                rows.append(row)
+                print(f"bench train {kernel} batch {batch} x {length}: {bench.tokens_per_s:,.0f} tok/s", flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        result["train"] = rows
+    return result
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+REFERENCE = {  # SpecForge v0.2 on one H200, Llama-3.1-8B drafter, TTT 7, seq 2048 unless stated (the issue's figures)
+    "specforge_train": {(1, 2048): (22_000, 13.6), (2, 2048): (24_500, 17.6), (4, 2048): (26_200, 26.2),
+                        (1, 4096): (24_400, 17.4), (1, 8192): (24_800, 25.5), (1, 16384): (22_700, 43.2)},
+    "naive_extract_tokens_per_s": (12_300, 14_100),
+}
+
+
+def render(result: dict) -> str:
+    import pandas as pd
+
+    from eagle3ops.reporting import markdown_table
+
+    ceilings = result["ceilings"]
+    lines = [f"# eagle3ops bench: {result['size']} on {result['device']} (torch {result['torch']})", "",
+             f"Ceilings: matmul {ceilings['matmul_tflops']:.0f} TFLOP/s ({ceilings['matmul_dtype']}), device copy "
+             f"{ceilings['copy_gbps']:.0f} GB/s, disk write+fsync {ceilings['disk_write_gbps']:.2f} GB/s", ""]
+    if "extract" in result:
+        extract = result["extract"]
+        disk_limit = ceilings["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
+        rows = [{"pipeline": name, "tok/s": f"{extract[name]['tokens_per_s']:,.0f}", "MFU": f"{extract[name]['mfu']:.0%}",
+                 "disk GB/s": f"{extract[name].get('disk_gbps', 0):.2f}" if "disk_gbps" in extract[name] else "-"}
+                for name in ("forward_only", "naive", "ours")]
+        lines += [f"## Extraction ({extract['target_params'] / 1e9:.1f}B target, {extract['sequences']} x "
+                  f"{extract['seq_len']} tokens, batch {extract['batch_size']}; disk allows {disk_limit:,.0f} tok/s)", "",
+                  markdown_table(pd.DataFrame(rows), "g"), "",
+                  f"ours / naive: {extract['ours']['tokens_per_s'] / extract['naive']['tokens_per_s']:.2f}x", ""]
+    if "train" in result:
+        rows = []
+        for row in result["train"]:
+            reference = REFERENCE["specforge_train"].get((row["batch"], row["length"])) if result["size"] == "8b" else None
+            rows.append({"kernel": row["kernel"], "batch": row["batch"], "length": row["length"],
+                         "first step s": row["first_step_s"], "step ms": row["step_ms"],
+                         "tok/s": f"{row['tokens_per_s']:,.0f}", "peak GiB": row["peak_gib"] or "-",
+                         "MFU": f"{row['mfu']:.0%}",
+                         "SpecForge tok/s": f"{reference[0]:,}" if reference else "-",
+                         "vs SpecForge": f"{row['tokens_per_s'] / reference[0]:.2f}x" if reference else "-",
+                         "SpecForge GiB": reference[1] if reference else "-"})
+        lines += ["## Drafter training (TTT 7, one optimizer step)", "", markdown_table(pd.DataFrame(rows), "g"), ""]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Training tokens/s as the length grows (batch 1) and as the batch grows (at the base length), one line per
+    kernel, with SpecForge's reference figures where the size is 8b."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for result in results for row in result.get("train", [])]
+    figure, (by_length, by_batch) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {kernel: [r for r in rows if r["kernel"] == kernel] for kernel in sorted({r["kernel"] for r in rows})}
+    if any(result["size"] == "8b" for result in results):
+        series["SpecForge (reference)"] = [{"batch": b, "length": n, "tokens_per_s": v[0]}
+                                           for (b, n), v in REFERENCE["specforge_train"].items()]
+    base = min((r["length"] for r in rows), default=0)
+    for name, points in series.items():
+        longs = sorted((r["length"], r["tokens_per_s"]) for r in points if r["batch"] == 1)
+        batches = sorted((r["batch"], r["tokens_per_s"]) for r in points if r["length"] == base)
+        by_length.plot(*zip(*longs), marker="o", label=name) if longs else None
+        by_batch.plot(*zip(*batches), marker="o", label=name) if batches else None
+    lengths = sorted({r["length"] for points in series.values() for r in points if r["batch"] == 1})
+    by_length.set(xscale="log", xlabel="sequence length (batch 1)", ylabel="training tokens/s", ylim=(0, None))
+    by_length.set_xticks(lengths, [str(n) for n in lengths])
+    by_length.minorticks_off()
+    by_batch.set(xlabel=f"batch size (length {base})", ylabel="training tokens/s", ylim=(0, None))
+    by_length.legend()
+    figure.suptitle(f"Drafter training speed on {results[0]['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_result(result: dict, out: Path) -> None:
+    from eagle3ops.fs import write_json_atomic
+
+    write_json_atomic(out, result)
+    out.with_suffix(".md").write_text(render(result) + "\n")
+    if result.get("train"):
+        plot([result], out.with_suffix(".png"))
