@@ -167,6 +167,16 @@ class ExtractConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """The acceptance simulator during training (simulation.py): greedy chain speculative decoding of the
+    drafter being trained, on the first `prompts` held-out prompts, every `every` steps and at the end."""
+    every: int = 0  # optimizer steps between measurements; 0 = off (it loads the whole target beside training)
+    prompts: int = 8
+    k: int = 3
+    max_new_tokens: int = 48
+
+
+@dataclass
 class TrainConfig(DrafterTrainConfig):
     out_dir: str = "models/drafters"
     warm_start: str = "models/zoo/predecessor-drafter"  # the drafter `train@warm_start` fine-tunes
@@ -174,6 +184,7 @@ class TrainConfig(DrafterTrainConfig):
     warm_start_vocab: str = "keep"
     warm_start_optimizer: bool = False  # continue its AdamW moments (needs its training_state.pt; keep only)
     warm_start_min_coverage: float = 0.9  # below this draft-vocab coverage of the new data: "needs a new head"
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
 
 
 @dataclass
@@ -330,6 +341,9 @@ def _check_values(cfg: Config, path: Path) -> None:
 
     if cfg.train.warm_start_vocab not in WARM_START_VOCABS:
         fail("train.warm_start_vocab", f"{cfg.train.warm_start_vocab!r} is not one of {WARM_START_VOCABS}")
+    for key in ("every", "prompts", "k", "max_new_tokens"):
+        if getattr(cfg.train.simulate, key) < (0 if key == "every" else 1):
+            fail(f"train.simulate.{key}", "must be " + ("0 (off) or more" if key == "every" else "at least 1"))
     if not 0.0 <= cfg.train.warm_start_min_coverage <= 1.0:
         fail("train.warm_start_min_coverage", "must be in [0, 1]")
     if cfg.export.drafter not in TRAIN_INITS:

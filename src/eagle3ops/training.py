@@ -99,6 +99,7 @@ class TrainResult:
     final: dict[str, float]
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_at: tuple[int, int] = (0, 0)  # (step, tokens) this process started from
+    probe_s: float = 0.0  # time the acceptance simulator took, left out of wall_s
 
     @property
     def steps_per_s(self) -> float:
@@ -113,10 +114,13 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
                   optim: DrafterTrainConfig, seed: int, device: torch.device,
                   log: Callable[[int, dict[str, float]], None] | None = None, state: dict | None = None,
                   checkpoint: Callable[[dict], None] | None = None, desc: str = "train",
-                  optimizer_state: dict | None = None) -> tuple[TrainResult, dict]:
+                  optimizer_state: dict | None = None, probe: Callable[[Eagle3Draft], dict] | None = None,
+                  probe_every: int = 0) -> tuple[TrainResult, dict]:
     """Train in place. Returns the result and the training state to save beside the checkpoint.
 
     `optimizer_state` (a warm start's saved AdamW state) continues its moments under this run's settings.
+    `probe` (the acceptance simulator) measures the drafter every `probe_every` steps and at the end; its
+    metrics go to `log` and into the history row of that step.
 
     `checkpoint` receives the full state (weights included) every `optim.checkpoint_every` steps; passed back
     as `state`, it resumes the run exactly where it was: same batches, same optimizer and scheduler state, same
@@ -148,7 +152,7 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(), "history": history, "tokens": tokens}
 
-    start, resumed_at = time.perf_counter(), (step, tokens)
+    start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
     progress = progress_bar(total_steps, desc, "step", initial=step)
     for epoch, batch_samples in _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs):
         batch = pad_batch(batch_samples, device)
@@ -170,15 +174,26 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
             history.append({"step": step, **row})
             if log:
                 log(step, row)
+        if probe and probe_every and (step % probe_every == 0 or step == total_steps):
+            probe_start = time.perf_counter()
+            measured = probe(draft)
+            probe_s += time.perf_counter() - probe_start
+            if history and history[-1]["step"] == step:
+                history[-1].update(measured)
+            else:
+                history.append({"step": step, **measured})
+            if log:
+                log(step, measured)
         if checkpoint and optim.checkpoint_every and step % optim.checkpoint_every == 0 and step < total_steps:
             checkpoint({**snapshot(), "model": draft.state_dict()})
     progress.close()
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start - probe_s  # throughput counts training, not the simulator
     final = (evaluate(draft, eval_samples, lm_head, optim.batch_size, optim.ttt_steps, optim.loss_decay, device)
              if eval_samples else {})
     if log and final:
         log(step, final)
-    return TrainResult(step, tokens, wall, final, history, resumed_at), snapshot()
+    final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
+    return TrainResult(step, tokens, wall, final, history, resumed_at, probe_s), snapshot()
 
 
 def to_training_device(draft: Eagle3Draft, device: torch.device) -> Eagle3Draft:

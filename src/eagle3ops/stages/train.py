@@ -12,9 +12,13 @@ from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.metrics import PLOTS_DIR, record
 from eagle3ops.modeling.identity import identity_params
-from eagle3ops.modeling.target import load_embedding_and_head, load_text_config, resolve_device
+from eagle3ops.decoding.settings import SpecSettings
+from eagle3ops.errors import InputError
+from eagle3ops.modeling.target import (load_embedding_and_head, load_target, load_text_config, load_tokenizer,
+                                       resolve_device)
 from eagle3ops.stages.prepare import VOCAB_MAP
 from eagle3ops.resume import resume_point
+from eagle3ops.simulation import AcceptanceSimulator, held_out_prompts
 from eagle3ops.tracking import params_digest, stage_run
 from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
 from eagle3ops.warm_start import WarmStart, load_warm_start
@@ -41,6 +45,7 @@ def run(cfg: Config, init: str) -> None:
                                     embedding, vocab["d2t"], vocab["t2d"], cfg.seed)
             train_samples = load_feature_samples(features / "train", embedding.shape[1])
             eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
+            simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every else None
         resume = resume_point(f"train@{init}", {"params": params_digest(cfg), "inputs": tracked.input_md5s})
         resumed = resume.load()
         if resumed is not None:
@@ -49,7 +54,8 @@ def run(cfg: Config, init: str) -> None:
             result, state = train_drafter(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed,
                                           resolve_device(cfg.target.device), log=lambda step, m: tracked.log_metrics(m, step),
                                           state=resumed, checkpoint=resume.save, desc=f"train@{init}",
-                                          optimizer_state=optimizer_state)
+                                          optimizer_state=optimizer_state, probe=simulator,
+                                          probe_every=cfg.train.simulate.every)
         out_dir = Path(cfg.train.out_dir) / init
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state)
@@ -60,9 +66,23 @@ def run(cfg: Config, init: str) -> None:
             "init": init, "steps": result.steps, "ttt_steps": cfg.train.ttt_steps,
             "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad), "train_tokens": result.tokens,
             "steps_per_s": round(result.steps_per_s, 2), "tokens_per_s": round(result.tokens_per_s, 1),
+            "simulator_s": round(result.probe_s, 1),
             **{key.replace("/", "_"): round(value, 4) for key, value in result.final.items()},
             **(_warm_start_metrics(warm) if warm else {}),
         })
+
+
+def _simulator(cfg: Config, eval_samples: list[dict]) -> AcceptanceSimulator:
+    """The acceptance simulator on the first held-out prompts: it needs the whole target beside training."""
+    simulate = cfg.train.simulate
+    prompts = held_out_prompts([{k: s[k].tolist() for k in ("input_ids", "loss_mask")} for s in eval_samples],
+                               simulate.prompts)
+    if not prompts:
+        raise InputError(f"train.simulate: {cfg.extract.out_dir}/eval has no sample with an assistant turn to "
+                         f"measure acceptance on; raise data.eval_fraction or set train.simulate.every to 0")
+    tokenizer = load_tokenizer(cfg.target)
+    return AcceptanceSimulator(load_target(cfg.target), prompts, SpecSettings(k=simulate.k), simulate.max_new_tokens,
+                               {tokenizer.eos_token_id}, cfg.seed)
 
 
 def _log_warm_start(tracked, warm: WarmStart) -> None:
