@@ -9,7 +9,9 @@ values). Figures:
   disk GB/s, MFU = 2 * target params * tokens/s over the measured matrix ceiling;
 - training: one optimizer step of the TTT loss (modeling/draft.py) at each batch size and length, the first
   step (compilation included) apart, tokens/s, peak memory, MFU from the step's counted FLOPs; `reference`
-  rows run the explicit TTT attention (scores materialised), `flex` rows the fused kernel.
+  rows run the explicit TTT attention (scores materialised), `flex` rows the fused kernel;
+- data-parallel training (under torchrun, `run_data_parallel_bench`): the train stage's loop at one global
+  batch on one rank alone, then over all ranks with DDP: tokens/s, scaling, and the loss of every step of both.
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3ops import distributed
+from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
-from eagle3ops.training import to_training_device
+from eagle3ops.training import to_training_device, train_drafter
 
 
 @dataclass
@@ -40,6 +44,8 @@ class BenchSize:
     train_steps: int
     matmul_n: int
     disk_bytes: int
+    data_parallel_batch: int = 4  # global batch of the data-parallel bench (at least one sample per rank)
+    data_parallel_steps: int = 16
 
 
 TINY_ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 128,
@@ -200,17 +206,23 @@ class TrainBench:
     losses: list[float] = field(default_factory=list)
 
 
-def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
-                ttt_steps: int = 7, seed: int = 0) -> TrainBench:
-    """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`); bf16 autocast on a GPU
-    with fp32 master weights, as the train stage runs."""
+def random_drafter(cfg: DraftConfig, seed: int) -> Eagle3Draft:
+    """Random weights and a random draft vocabulary, from `seed`, on the CPU."""
     torch.manual_seed(seed)
-    draft = to_training_device(Eagle3Draft(cfg), device)
-    draft.midlayer.self_attn.kernel = kernel
+    draft = Eagle3Draft(cfg)
     vocab_rows = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
     draft.d2t.copy_(vocab_rows - torch.arange(cfg.draft_vocab_size))
     draft.t2d.zero_()
     draft.t2d[vocab_rows] = True
+    return draft
+
+
+def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
+                ttt_steps: int = 7, seed: int = 0) -> TrainBench:
+    """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`); bf16 autocast on a GPU
+    with fp32 master weights, as the train stage runs."""
+    draft = to_training_device(random_drafter(cfg, seed), device)
+    draft.midlayer.self_attn.kernel = kernel
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
     lm_head = lm_head.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
@@ -242,6 +254,69 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     flops = train_step_flops(cfg, batch, length, ttt_steps)
     return TrainBench(kernel, batch, length, round(first, 2), round(seconds * 1e3, 1), batch * length / seconds,
                       round(peak, 2) if peak else None, flops / seconds / 1e12, losses)
+
+
+# ----------------------------------------------------------------------------------------- data-parallel training
+
+def random_features(cfg: DraftConfig, count: int, length: int, distinct: int, seed: int = 0) -> list[dict]:
+    """`count` feature samples as extraction stores them (bf16 states, every position trained on), cycling
+    through `distinct` random ones: generating them all would take longer than the bench."""
+    generator = torch.Generator().manual_seed(seed)
+    made = [{"input_ids": torch.randint(0, cfg.vocab_size, (length,), generator=generator, dtype=torch.int32),
+             "loss_mask": torch.ones(length, dtype=torch.uint8),
+             "aux_hidden": torch.randn(length, 3 * cfg.target_hidden_size, generator=generator).to(torch.bfloat16),
+             "final_hidden": torch.randn(length, cfg.target_hidden_size, generator=generator).to(torch.bfloat16)}
+            for _ in range(min(count, distinct))]
+    return [made[i % len(made)] for i in range(count)]
+
+
+def time_training(cfg: DraftConfig, samples: list[dict], lm_head: torch.Tensor, recipe: DrafterTrainConfig,
+                  device: torch.device, world: distributed.World) -> dict:
+    """train_drafter over `world` (one rank alone: World()): seconds to the end of the first step (setup and
+    compilation included), then the steady step time from the second step on, and every step's loss."""
+    draft = random_drafter(cfg, seed=0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stamps, start = [], time.perf_counter()
+    result, _ = train_drafter(draft, samples, [], lm_head, recipe, seed=0, device=device,
+                              log=lambda step, row: stamps.append(time.perf_counter()),  # synced: rows are read back
+                              desc=f"bench train x{world.size}", world=world)
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    tokens_per_step = recipe.batch_size * samples[0]["input_ids"].shape[0]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    del draft
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"ranks": world.size, "batch_per_rank": math.ceil(recipe.batch_size / world.size),
+            "first_step_s": round(stamps[0] - start, 2), "step_ms": round(step_s * 1e3, 1),
+            "tokens_per_s": tokens_per_step / step_s, "peak_gib": round(peak, 2) if peak else None,
+            "losses": [row["train/loss"] for row in result.history]}
+
+
+def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None:
+    """Under torchrun: the train stage's loop (train_drafter: TTT 7, AdamW, clipping, bf16 autocast on GPUs) on
+    random features at one global batch (at least one sample per rank), first on rank 0 alone (the one-GPU
+    reference; the other ranks wait), then on all ranks with DDP. Returns the result on rank 0, None elsewhere."""
+    size = SIZES[size_name]()
+    cfg = draft_config(size.architecture, size.draft_vocab_size)
+    with distributed.process_group(device) as (world, device):
+        global_batch = math.ceil(size.data_parallel_batch / world.size) * world.size
+        samples = random_features(cfg, global_batch * size.data_parallel_steps, size.train_seq_len, 2 * global_batch)
+        lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
+        recipe = DrafterTrainConfig(epochs=1, batch_size=global_batch, lr=1e-4, log_every=1, checkpoint_every=0)
+        runs = [time_training(cfg, samples, lm_head, recipe, device, distributed.World())] if world.main else []
+        distributed.wait_for_main(world)
+        runs.append(time_training(cfg, samples, lm_head, recipe, device, world))
+        backend = torch.distributed.get_backend() if world.size > 1 else "-"
+    if not world.main:
+        return None
+    alone, together = runs
+    return {"size": size_name, "device": _device_name(device), "torch": torch.__version__, "backend": backend,
+            "data_parallel": {
+                "world_size": world.size, "global_batch": global_batch, "length": size.train_seq_len,
+                "steps": size.data_parallel_steps, "runs": runs,
+                "speedup": together["tokens_per_s"] / alone["tokens_per_s"],
+                "max_loss_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(alone["losses"], together["losses"]))}}
 
 
 # ------------------------------------------------------------------------------------------------------ the run
@@ -319,10 +394,12 @@ def render(result: dict) -> str:
 
     from eagle3ops.reporting import markdown_table
 
+    lines = [f"# eagle3ops bench: {result['size']} on {result['device']} (torch {result['torch']})", ""]
+    if "data_parallel" in result:
+        return "\n".join(lines + render_data_parallel(result["data_parallel"], result["backend"]))
     ceilings = result["ceilings"]
-    lines = [f"# eagle3ops bench: {result['size']} on {result['device']} (torch {result['torch']})", "",
-             f"Ceilings: matmul {ceilings['matmul_tflops']:.0f} TFLOP/s ({ceilings['matmul_dtype']}), device copy "
-             f"{ceilings['copy_gbps']:.0f} GB/s, disk write+fsync {ceilings['disk_write_gbps']:.2f} GB/s", ""]
+    lines += [f"Ceilings: matmul {ceilings['matmul_tflops']:.0f} TFLOP/s ({ceilings['matmul_dtype']}), device copy "
+              f"{ceilings['copy_gbps']:.0f} GB/s, disk write+fsync {ceilings['disk_write_gbps']:.2f} GB/s", ""]
     if "extract" in result:
         extract = result["extract"]
         disk_limit = ceilings["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
@@ -346,6 +423,26 @@ def render(result: dict) -> str:
                          "SpecForge GiB": reference[1] if reference else "-"})
         lines += ["## Drafter training (TTT 7, one optimizer step)", "", markdown_table(pd.DataFrame(rows), "g"), ""]
     return "\n".join(lines)
+
+
+def render_data_parallel(bench: dict, backend: str) -> list[str]:
+    import pandas as pd
+
+    from eagle3ops.reporting import markdown_table
+
+    alone, together = bench["runs"]
+    runs = [{"ranks": run["ranks"], "batch per rank": run["batch_per_rank"], "first step s": run["first_step_s"],
+             "step ms": run["step_ms"], "tok/s": f"{run['tokens_per_s']:,.0f}", "peak GiB": run["peak_gib"] or "-"}
+            for run in bench["runs"]]
+    losses = [{"step": step, "1 rank": a, f"{together['ranks']} ranks": b, "relative difference": abs(a - b) / abs(a)}
+              for step, (a, b) in enumerate(zip(alone["losses"], together["losses"]), start=1)]
+    return [f"## Data-parallel drafter training ({backend}; TTT 7, global batch {bench['global_batch']} x "
+            f"{bench['length']} tokens, {bench['steps']} steps)", "",
+            markdown_table(pd.DataFrame(runs), "g"), "",
+            f"{together['ranks']} ranks / 1: {bench['speedup']:.2f}x tokens/s "
+            f"({bench['speedup'] / together['ranks']:.0%} scaling efficiency); loss curves differ by at most "
+            f"{bench['max_loss_rel_diff']:.1e} (relative)", "", "Loss of each optimizer step:", "",
+            markdown_table(pd.DataFrame(losses), ("d", ".6f", ".6f", ".1e")), ""]
 
 
 def plot(results: list[dict], path: Path) -> None:

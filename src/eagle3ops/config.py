@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -112,6 +112,11 @@ class TargetConfig:
     aux_layers: Optional[list[int]] = None
     dtype: str = "float32"
     device: str = "auto"
+    # Layer-wise placement of a target too big for one GPU (README, "Several GPUs"), given to from_pretrained:
+    # null = the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module name: GPU index,
+    # "cpu" or "disk"}. max_memory caps each device, e.g. {0: 120GiB, 1: 120GiB, cpu: 200GiB}.
+    device_map: Any = None
+    max_memory: Optional[dict] = None
     trust_remote_code: bool = False  # run the model repository's own Python code; only for sources you trust
     # The chat template data is rendered with: null = the tokenizer's own; llama-3 | qwen3 | kimi-k2 (shipped, see
     # data/chat.py); or the path of a .jinja file in the project. A configured one overrides the tokenizer's.
@@ -277,6 +282,7 @@ EVAL_DRAFTERS = ("baseline", "scratch", "warm_start")
 EVAL_BACKENDS = ("hf", "vllm", "sglang")
 PROMPT_SET_FORMATS = ("chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
 EXPORT_FORMATS = ("sglang", "speculators")  # SGLang's layout (SpecForge's, ours) and vllm-project/speculators'
 
 
@@ -338,6 +344,11 @@ def _check_values(cfg: Config, path: Path) -> None:
         fail("data.draft_vocab_size", "must be positive")
     if cfg.target.aux_layers is not None and len(cfg.target.aux_layers) != 3:
         fail("target.aux_layers", f"EAGLE-3 fuses exactly three layers, got {cfg.target.aux_layers}")
+    placement = cfg.target.device_map
+    if placement is not None and not (placement in DEVICE_MAPS or (isinstance(placement, dict) and placement)):
+        fail("target.device_map", f"{placement!r} is not one of {DEVICE_MAPS}, a {{module name: device}} mapping or null")
+    if cfg.target.max_memory is not None and placement is None:
+        fail("target.max_memory", "caps the devices of a target.device_map placement; set target.device_map too")
 
     if cfg.train.warm_start_vocab not in WARM_START_VOCABS:
         fail("train.warm_start_vocab", f"{cfg.train.warm_start_vocab!r} is not one of {WARM_START_VOCABS}")

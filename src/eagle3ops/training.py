@@ -3,9 +3,11 @@
 AdamW, linear warmup then cosine decay, gradient clipping, the TTT loss of modeling/draft.py. Batches are
 right-padded (causal attention never looks right, and padded positions carry loss_mask 0), shuffled per epoch
 by a generator seeded from (seed, epoch), so a run resumed from its training state sees the same batches.
+Under torchrun the ranks share each global batch (distributed.py); the result is the single process's.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -13,12 +15,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
+from eagle3ops import distributed
+from eagle3ops.distributed import World
 from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
 from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.errors import InputError
 from eagle3ops.progress import progress as progress_bar
-from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, TTTResult, ttt_loss
 from eagle3ops.modeling.target import DTYPES
 
 
@@ -65,25 +70,63 @@ def batches(samples: list, batch_size: int, seed: int, epoch: int) -> list[list]
     return [[samples[i] for i in order[start : start + batch_size]] for start in range(0, len(order), batch_size)]
 
 
-def _batch_loss(draft, batch, lm_head, ttt_steps, decay):
+def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None):
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
         return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].float(), batch["final_hidden"].float(),
-                        batch["loss_mask"], lm_head, ttt_steps, decay)
+                        batch["loss_mask"], lm_head, ttt_steps, decay, normaliser)
+
+
+class _TTTObjective(torch.nn.Module):
+    """The TTT loss as a module's forward: DDP prepares its gradient averaging in the wrapped module's forward,
+    and the drafter itself has none (ttt_loss calls its fuse and step)."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, batch, lm_head, ttt_steps, decay, normaliser) -> TTTResult:
+        return _batch_loss(self.draft, batch, lm_head, ttt_steps, decay, normaliser)
+
+
+def _rank_share(batch: list, world: World) -> list:
+    """This rank's samples of a global batch. A rank left without any (a last batch shorter than the world)
+    runs the first sample with its loss mask cleared: it counts no position and adds zero gradients, but
+    takes part in the step's collectives."""
+    mine = distributed.share(batch, world)
+    return mine or [{**batch[0], "loss_mask": torch.zeros_like(batch[0]["loss_mask"])}]
+
+
+def _global_metrics(result: TTTResult, world: World, device: torch.device) -> tuple[float, list[float], list[float]]:
+    """(loss, loss_k, acc_k) of the whole global batch: the mean of the ranks' losses (see
+    distributed.global_normaliser), accuracies over the positions counted on all ranks."""
+    if world.size == 1:
+        return result.loss.item(), result.losses, result.accs
+    K = len(result.losses)
+    sums = distributed.all_reduce_sum([result.loss.item(), *result.losses, *result.counted,
+                                       *(a * n for a, n in zip(result.accs, result.counted))], device)
+    counted, correct = sums[1 + K : 1 + 2 * K], sums[1 + 2 * K :]
+    return (sums[0] / world.size, [v / world.size for v in sums[1 : 1 + K]],
+            [c / max(1.0, n) for c, n in zip(correct, counted)])
 
 
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, samples: list, lm_head: torch.Tensor, batch_size: int, ttt_steps: int,
-             decay: float, device: torch.device) -> dict[str, float]:
-    """Held-out TTT loss and per-step accuracy (weighted by counted positions), and draft-vocab coverage."""
+             decay: float, device: torch.device, world: World = World()) -> dict[str, float]:
+    """Held-out TTT loss and per-step accuracy (weighted by counted positions), and draft-vocab coverage.
+    Over several ranks each takes every world-size-th batch and the sums are added up."""
     draft.eval()
     loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
-    for start in range(0, len(samples), batch_size):
+    for start in range(world.rank * batch_size, len(samples), world.size * batch_size):
         result = _batch_loss(draft, pad_batch(samples[start : start + batch_size], device), lm_head, ttt_steps, decay)
         for k in range(ttt_steps):
             correct[k] += result.accs[k] * result.counted[k]
             counted[k] += result.counted[k]
             masked[k] += result.masked[k]
         loss_sum += result.loss.item() * len(samples[start : start + batch_size])
+    if world.size > 1:
+        sums = distributed.all_reduce_sum([loss_sum, *correct, *counted, *masked], device)
+        loss_sum, correct = sums[0], sums[1 : 1 + ttt_steps]
+        counted, masked = sums[1 + ttt_steps : 1 + 2 * ttt_steps], sums[1 + 2 * ttt_steps :]
     draft.train()
     metrics = {f"eval/acc_{k}": correct[k] / max(1, counted[k]) for k in range(ttt_steps)}
     metrics["eval/loss"] = loss_sum / max(1, len(samples))
@@ -115,7 +158,7 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
                   log: Callable[[int, dict[str, float]], None] | None = None, state: dict | None = None,
                   checkpoint: Callable[[dict], None] | None = None, desc: str = "train",
                   optimizer_state: dict | None = None, probe: Callable[[Eagle3Draft], dict] | None = None,
-                  probe_every: int = 0) -> tuple[TrainResult, dict]:
+                  probe_every: int = 0, world: World | None = None) -> tuple[TrainResult, dict]:
     """Train in place. Returns the result and the training state to save beside the checkpoint.
 
     `optimizer_state` (a warm start's saved AdamW state) continues its moments under this run's settings.
@@ -125,7 +168,17 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     `checkpoint` receives the full state (weights included) every `optim.checkpoint_every` steps; passed back
     as `state`, it resumes the run exactly where it was: same batches, same optimizer and scheduler state, same
     RNG, so the final weights equal those of an uninterrupted run.
+
+    Over several ranks (`world`: the joined process group's by default, distributed.py) every rank walks the
+    same global batches of `optim.batch_size` samples and trains on its share; DDP averages the gradients,
+    and each TTT step's loss is normalised by the positions counted over the whole global batch, so losses,
+    optimizer steps and weights are those of one process with that batch size, up to float rounding. Every
+    rank returns the same result; only rank 0 should be given `log`, `checkpoint` and `probe`.
     """
+    world = world or distributed.current()
+    if world.size > optim.batch_size:
+        raise InputError(f"train.batch_size {optim.batch_size} is the global batch, shared by {world.size} ranks: "
+                         f"make it at least {world.size}")
     seed_everything(seed)
     to_training_device(draft, device)
     lm_head = lm_head.to(device, torch.bfloat16 if device.type == "cuda" else lm_head.dtype)  # as the target has it
@@ -152,12 +205,16 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(), "history": history, "tokens": tokens}
 
+    if world.size == 1:
+        objective, normaliser = functools.partial(_batch_loss, draft), None
+    else:
+        objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
     start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
-    progress = progress_bar(total_steps, desc, "step", initial=step)
+    progress = progress_bar(total_steps, desc, "step", initial=step) if world.main else tqdm(disable=True)
     for epoch, batch_samples in _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs):
-        batch = pad_batch(batch_samples, device)
-        result = _batch_loss(draft, batch, lm_head, optim.ttt_steps, optim.loss_decay)
-        loss, accs = result.loss, result.accs
+        batch = pad_batch(_rank_share(batch_samples, world), device)
+        result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser)
+        loss = result.loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
@@ -166,11 +223,12 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         step += 1
         tokens += int(sum(s["input_ids"].shape[0] for s in batch_samples))
         progress.update(1)
-        progress.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}", refresh=False)
         if step % optim.log_every == 0 or step == total_steps:
-            row = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
+            loss_value, losses, accs = _global_metrics(result, world, device)
+            progress.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", refresh=False)
+            row = {"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
                    "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},
-                   **{f"train/loss_{k}": v for k, v in enumerate(result.losses)}}
+                   **{f"train/loss_{k}": v for k, v in enumerate(losses)}}
             history.append({"step": step, **row})
             if log:
                 log(step, row)
@@ -188,8 +246,8 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
             checkpoint({**snapshot(), "model": draft.state_dict()})
     progress.close()
     wall = time.perf_counter() - start - probe_s  # throughput counts training, not the simulator
-    final = (evaluate(draft, eval_samples, lm_head, optim.batch_size, optim.ttt_steps, optim.loss_decay, device)
-             if eval_samples else {})
+    final = (evaluate(draft, eval_samples, lm_head, optim.batch_size, optim.ttt_steps, optim.loss_decay, device,
+                      world) if eval_samples else {})
     if log and final:
         log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})

@@ -316,7 +316,7 @@ class SoftCrossEntropy(torch.autograd.Function):
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
-             ttt_steps: int = 7, decay: float = 0.8) -> TTTResult:
+             ttt_steps: int = 7, decay: float = 0.8, normaliser=None) -> TTTResult:
     """Training-time test: K draft steps, each feeding its own output hidden state to the next.
 
     input_ids, loss_mask [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]; loss_mask marks the
@@ -325,6 +325,10 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     the draft vocabulary (a token outside it can never be drafted; acc_k leaves it out, as SpecForge does,
     so acc_k * coverage is the share of all masked tokens the drafter gets right). The target side is
     computed once and read through views at each step's offset, never copied per step.
+
+    Each step's loss is its summed soft cross-entropy over the counted positions divided by their count (at
+    least 1); `normaliser` (data-parallel training: distributed.global_normaliser) maps that count [] to
+    the divisor instead, so that the ranks' losses average to the loss of the whole global batch.
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -343,7 +347,8 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
         masked = mask[:, k + 2 : k + 2 + n]  # [B, n] x_{t+k+2} is an assistant token
         counted = masked & in_draft[:, aligned]
         count = counted.sum()
-        loss_k = (SoftCrossEntropy.apply(logits[:, :n], target_p[:, aligned]) * counted).sum() / count.clamp(min=1)
+        divisor = count.clamp(min=1) if normaliser is None else normaliser(count)
+        loss_k = (SoftCrossEntropy.apply(logits[:, :n], target_p[:, aligned]) * counted).sum() / divisor
         correct = ((logits[:, :n].argmax(-1) == target_top[:, aligned]) & counted).sum()
         total = total + decay**k * loss_k
         per_step.append(torch.stack([loss_k.detach(), correct.float(), count.float(), masked.sum().float()]))

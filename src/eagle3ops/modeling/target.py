@@ -91,12 +91,22 @@ def _auto_class(config: PretrainedConfig, target: TargetConfig):
 
 
 def load_target(target: TargetConfig) -> PreTrainedModel:
-    """`from_pretrained` with no remote code unless target.trust_remote_code says so."""
+    """`from_pretrained` with no remote code unless target.trust_remote_code says so; the whole model on
+    target.device, or, with target.device_map, its layers spread over the GPUs (and CPU or disk) by
+    from_pretrained (accelerate), within target.max_memory. Then a forward runs the layers one GPU after the
+    other; inputs go to `model.device`, the embedding's, and `capture` brings what it keeps there."""
     path = str(check_model_dir(target.path))
     config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+    placement = {"device_map": target.device_map, "max_memory": target.max_memory} if target.device_map else {}
     model = _auto_class(config, target).from_pretrained(path, config=config, dtype=DTYPES[target.dtype],
-                                                        trust_remote_code=target.trust_remote_code)
-    return model.to(resolve_device(target.device)).eval().requires_grad_(False)
+                                                        trust_remote_code=target.trust_remote_code, **placement)
+    if not placement:
+        model = model.to(resolve_device(target.device))
+    elif model.device.type == "meta":
+        raise TargetError(f"target.device_map: {getattr(model, 'hf_device_map', target.device_map)} offloads the "
+                          f"input embedding (its weights stay on 'meta'); inputs and captured states need it on a "
+                          f"device: place it on a GPU (or cpu on a machine without one)")
+    return model.eval().requires_grad_(False)
 
 
 def model_size(model: nn.Module) -> dict[str, int]:
@@ -151,10 +161,12 @@ def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[in
 
 
 class HiddenCapture:
-    """Forward hooks collecting the aux layers ([B, T, H] each) and the final normed state of one forward."""
+    """Forward hooks collecting the aux layers ([B, T, H] each) and the final normed state of one forward, all
+    on `model.device`, also when the layers live on several devices (target.device_map)."""
 
     def __init__(self, model: PreTrainedModel, aux_layers: list[int]):
         self.aux_layers = aux_layers
+        self.device = model.device
         self.captured: dict[int | str, torch.Tensor] = {}
         layers = decoder_layers(model)
         self._handles = []
@@ -165,7 +177,7 @@ class HiddenCapture:
 
     def _keep(self, key):
         def hook(_module, _inputs, output):
-            self.captured[key] = output[0] if isinstance(output, tuple) else output
+            self.captured[key] = (output[0] if isinstance(output, tuple) else output).to(self.device)
         return hook
 
     def aux(self) -> torch.Tensor:

@@ -1,10 +1,16 @@
-"""Stage `train@<init>`: train the drafter from scratch, or fine-tune an existing one (warm start)."""
+"""Stage `train@<init>`: train the drafter from scratch, or fine-tune an existing one (warm start).
+
+Under torchrun every rank runs this stage on its share of each global batch (distributed.py); rank 0 alone logs
+to MLflow and writes the resume points, the drafter, metrics and plots.
+"""
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
 from safetensors.torch import load_file
 
+from eagle3ops import distributed
 from eagle3ops.config import Config
 from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
@@ -25,9 +31,16 @@ from eagle3ops.warm_start import WarmStart, load_warm_start
 
 
 def run(cfg: Config, init: str) -> None:
+    with distributed.process_group(resolve_device(cfg.target.device)) as (world, device):
+        _run(cfg, init, world, device)
+
+
+def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
     features = Path(cfg.extract.out_dir)
     inputs = [features, cfg.prepare.out_dir, cfg.target.path] + ([cfg.train.warm_start] if init == "warm_start" else [])
-    with stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target)) as tracked:
+    tracking = (stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target))
+                if world.main else nullcontext(distributed.Untracked()))
+    with tracking as tracked:
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
             aux_layers = read_manifest(features / "train")["aux_layers"]
@@ -38,24 +51,28 @@ def run(cfg: Config, init: str) -> None:
                                        (vocab["d2t"], vocab["t2d"]), cfg.train.warm_start_vocab,
                                        cfg.train.warm_start_optimizer, cfg.train.warm_start_min_coverage)
                 draft, optimizer_state = warm.draft, warm.optimizer_state
-                _log_warm_start(tracked, warm)
+                if world.main:
+                    _log_warm_start(tracked, warm)
             else:
                 warm, optimizer_state = None, None
                 draft = new_drafter(load_text_config(cfg.target), cfg.train.draft, aux_layers,
                                     embedding, vocab["d2t"], vocab["t2d"], cfg.seed)
             train_samples = load_feature_samples(features / "train", embedding.shape[1])
             eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
-            simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every else None
-        resume = resume_point(f"train@{init}", {"params": params_digest(cfg), "inputs": tracked.input_md5s})
-        resumed = resume.load()
-        if resumed is not None:
+            simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every and world.main else None
+        resume = (resume_point(f"train@{init}", {"params": params_digest(cfg), "inputs": tracked.input_md5s})
+                  if world.main else None)
+        resumed = distributed.shared_resume(resume, world)
+        if resumed is not None and world.main:
             print(f"train@{init}: resuming at step {resumed['step']} from {resume.path}", flush=True)
         with tracked.phase("train"):
             result, state = train_drafter(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed,
-                                          resolve_device(cfg.target.device), log=lambda step, m: tracked.log_metrics(m, step),
-                                          state=resumed, checkpoint=resume.save, desc=f"train@{init}",
-                                          optimizer_state=optimizer_state, probe=simulator,
-                                          probe_every=cfg.train.simulate.every)
+                                          device, log=lambda step, m: tracked.log_metrics(m, step),
+                                          state=resumed, checkpoint=resume.save if resume else None,
+                                          desc=f"train@{init}", optimizer_state=optimizer_state, probe=simulator,
+                                          probe_every=cfg.train.simulate.every, world=world)
+        if not world.main:
+            return
         out_dir = Path(cfg.train.out_dir) / init
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state)
