@@ -1,13 +1,24 @@
-"""Shared fixtures: a tiny BPE tokenizer with the Kimi-style chat template and a tiny random Llama target."""
+"""Shared fixtures: a tiny BPE tokenizer with the Kimi-style chat template and a tiny random Llama target; the
+micro pipeline (the whole DVC lineage in minutes) in a temporary git repository."""
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 # A few dozen short strings: enough for BPE to learn some merges, small enough to train in well under a second.
 TEXTS = [
@@ -27,8 +38,8 @@ TEXTS = [
 
 
 # What a stage reads from its environment: tests start without any of it from the outside.
-OUTSIDE_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID",
-               "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME")
+OUTSIDE_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_RUN_ID",
+               "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME")
 
 
 def isolate(monkeypatch: pytest.MonkeyPatch, root: Path, tracking_uri: str | None = None) -> str:
@@ -52,6 +63,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now, for a server a test starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_http(url: str, server: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
+    """Poll `url` until it answers (any HTTP status); fail at once if `server`, the process meant to serve it,
+    has exited, and after `timeout_s` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with {server.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
 @contextmanager
@@ -97,3 +132,61 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) ->
     LlamaForCausalLM(config).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return path
+
+
+# The micro pipeline: the project's dvc.yaml on params small enough for the whole lineage to run in a few minutes
+# on 2 cores (tests/test_pipeline_e2e.py, tests/test_dvc_remotes.py, tests/test_tracking_server.py).
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = [
+    "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
+    "zoo.drafter_conversations=64", "zoo.predecessor_training.steps=40", "zoo.successor_training.steps=20",
+    "zoo.drafter_training.epochs=1", "zoo.drafter_training.max_steps=8", "generate.max_new_tokens=48",
+    "train.epochs=1", "train.max_steps=12", "train.log_every=4", "eval.max_new_tokens=24",
+]
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fail: bool = False) -> str:
+    """Run `cmd` with this venv's `dvc` and `eagle3ops` first on PATH and no tracking URI from outside; `env`
+    sets variables (None removes one). Returns stdout + stderr; the test fails unless it exits 0 (with `fail`:
+    unless it fails)."""
+    full = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    full.pop("MLFLOW_TRACKING_URI", None)
+    for name, value in (env or {}).items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    done = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=1200,
+                          stdin=subprocess.DEVNULL)
+    output = done.stdout + done.stderr
+    assert (done.returncode != 0) == fail, f"{' '.join(cmd)} exited {done.returncode}:\n{output[-8000:]}"
+    return output
+
+
+def ran_stages(output: str) -> list[str]:
+    """The stages a `dvc repro` / `dvc exp run` output says it ran, in order."""
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+def write_params(repo: Path, overrides: list[str]) -> None:
+    params = OmegaConf.merge(OmegaConf.load(ROOT / "params.yaml"), OmegaConf.from_dotlist(MICRO + overrides))
+    OmegaConf.save(params, repo / "params.yaml")
+
+
+def commit(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", message], repo)
+
+
+def micro_pipeline_repo(repo: Path) -> Path:
+    """A git + DVC repository at `repo` as a fresh clone of the project would be (src/, dvc.yaml, .gitignore and
+    the tracked .dvc/config: default remote, cache link type), with the micro params, committed; nothing run."""
+    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("dvc.yaml", ".gitignore"):
+        shutil.copy(ROOT / name, repo / name)
+    write_params(repo, [])
+    run(["git", "init", "-q"], repo)
+    run(["dvc", "init", "-q"], repo)
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
+    commit(repo, "micro pipeline")
+    return repo

@@ -2,27 +2,18 @@
 
 Uses a real `mlflow server` on loopback, stopped and started again by the tests.
 """
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import isolate
+from conftest import free_port, isolate, wait_for_http
 from mlflow import MlflowClient
 
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.outbox import pending
 from eagle3ops.tracking import stage_run
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Server:
@@ -36,14 +27,7 @@ class Server:
              "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
              "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.uri}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError("mlflow server did not come up")
+        wait_for_http(f"{self.uri}/health", self.process)
 
     def stop(self) -> None:
         self.process.terminate()

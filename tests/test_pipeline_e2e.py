@@ -5,48 +5,19 @@ re-runs only train, the evals of trained drafters and the report; the same param
 hash; every stage run is in MLflow, grouped under one parent per pipeline run, with its lineage tags.
 """
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 
+from conftest import micro_pipeline_repo, ran_stages, run, write_params
 from eagle3ops.runs import find_pipelines
 
-ROOT = Path(__file__).resolve().parents[1]
-MICRO = [
-    "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
-    "zoo.drafter_conversations=64", "zoo.predecessor_training.steps=40", "zoo.successor_training.steps=20",
-    "zoo.drafter_training.epochs=1", "zoo.drafter_training.max_steps=8", "generate.max_new_tokens=48",
-    "train.epochs=1", "train.max_steps=12", "train.log_every=4", "eval.max_new_tokens=24",
-]
 ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]
 
 pytestmark = pytest.mark.e2e
-
-
-def run(cmd: list[str], cwd: Path) -> str:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done.stdout + done.stderr
-
-
-def ran_stages(output: str) -> list[str]:
-    return re.findall(r"Running stage '([^']+)'", output)
-
-
-def write_params(repo: Path, overrides: list[str]) -> None:
-    params = OmegaConf.merge(OmegaConf.load(ROOT / "params.yaml"), OmegaConf.from_dotlist(MICRO + overrides))
-    OmegaConf.save(params, repo / "params.yaml")
 
 
 def lock_md5(repo: Path, stage: str, path: str) -> str:
@@ -56,16 +27,7 @@ def lock_md5(repo: Path, stage: str, path: str) -> str:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("pipeline")
-    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for name in ("dvc.yaml", ".gitignore"):
-        shutil.copy(ROOT / name, repo / name)
-    write_params(repo, [])
-    run(["git", "init", "-q"], repo)
-    run(["dvc", "init", "-q"], repo)
-    run(["git", "add", "."], repo)
-    run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", "micro pipeline"], repo)
-    return repo
+    return micro_pipeline_repo(tmp_path_factory.mktemp("pipeline"))
 
 
 def client(repo: Path) -> MlflowClient:

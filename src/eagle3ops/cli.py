@@ -115,7 +115,9 @@ def parser() -> argparse.ArgumentParser:
                     "ceilings (matrix product, device copy, disk write with fsync), the naive and our extraction "
                     "pipelines, and drafter training steps at several batch sizes and lengths; print a table and "
                     "write JSON (+ the table as .md). `--size 8b` is the Llama-3.1-8B configuration for one big GPU; "
-                    "`tiny` runs anywhere in a minute.")
+                    "`tiny` runs anywhere in a minute. Under `torchrun --nproc-per-node N` with `--parts train`: "
+                    "data-parallel training at one global batch, tokens/s and the loss of each step against one "
+                    "rank alone.")
     bench.add_argument("--size", choices=["tiny", "8b"], default="tiny", help="workload scale (default: %(default)s)")
     bench.add_argument("--parts", nargs="+", choices=["extract", "train"], default=["extract", "train"])
     bench.add_argument("--kernels", nargs="+", choices=["flex", "reference"], default=["flex", "reference"],
@@ -177,6 +179,11 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--target", required=True, metavar="TARGET_DIR", help="the target model directory")
     validate.add_argument("--format", choices=EXPORT_FORMATS, help="the layout it must have (default: as found)")
     validate.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    from eagle3ops.tracking_server import DESCRIPTION, add_arguments
+
+    add_arguments(commands.add_parser(
+        "tracking-server", help="start the team's MLflow server: PostgreSQL, served artifacts, basic auth",
+        description=DESCRIPTION))
     return main
 
 
@@ -233,11 +240,19 @@ def _project(args) -> int:
 
 
 def _bench(args) -> int:
-    from eagle3ops.benchmark import render, run_bench, write_result
+    from eagle3ops.benchmark import render, run_bench, run_data_parallel_bench, write_result
+    from eagle3ops.distributed import launched_world
     from eagle3ops.modeling.target import resolve_device
 
-    result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
-                       tuple(args.kernels))
+    if launched_world().size > 1:  # under torchrun: data-parallel training, against one rank alone
+        if args.parts != ["train"]:
+            raise InputError("under torchrun, bench measures data-parallel training only: give --parts train")
+        result = run_data_parallel_bench(args.size, resolve_device(args.device))
+        if result is None:  # not rank 0
+            return 0
+    else:
+        result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
+                           tuple(args.kernels))
     result["command"] = "eagle3ops " + " ".join(sys.argv[1:])
     write_result(result, Path(args.out))
     print(render(result))
@@ -321,8 +336,15 @@ def _validate_export(args) -> int:
     return 0 if report.ok else 1
 
 
+def _tracking_server(args) -> int:
+    from eagle3ops.tracking_server import serve
+
+    serve(args)  # becomes `mlflow server`: returns only by raising
+
+
 TOOLS = {"bench": _bench, "check-compat": _check_compat, "sync": _sync, "reproduce": _reproduce, "compare": _compare,
-         "project": _project, "preset": _preset, "import-drafter": _import_drafter, "validate-export": _validate_export}
+         "project": _project, "preset": _preset, "import-drafter": _import_drafter, "validate-export": _validate_export,
+         "tracking-server": _tracking_server}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,3 +52,7 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
 
 def write_json_atomic(path: str | Path, obj) -> None:
     _atomic_write(Path(path), lambda out: out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    _atomic_write(Path(path), lambda out: out.write(text))
