@@ -125,11 +125,30 @@ def ragged_samples() -> list[tuple[str, dict[str, torch.Tensor]]]:
     ]
 
 
-def write_shards(out_dir: Path) -> dict:
-    writer = ShardWriter(out_dir, samples_per_shard=2, meta={"split": "train"})
+def write_shards(out_dir: Path, background: bool = False) -> dict:
+    writer = ShardWriter(out_dir, samples_per_shard=2, meta={"split": "train"}, background=background)
     for sample_id, tensors in ragged_samples():
         writer.add(sample_id, tensors)
     return writer.close()
+
+
+def test_background_writer_writes_the_same_files(tmp_path):
+    """Extraction writes each shard in a thread while the next fills: the files must be those of a plain writer."""
+    plain, background = write_shards(tmp_path / "plain"), write_shards(tmp_path / "background", background=True)
+    assert plain == background
+    for shard in plain["shards"]:
+        assert (tmp_path / "plain" / shard["file"]).read_bytes() == (tmp_path / "background" / shard["file"]).read_bytes()
+
+
+def test_background_write_error_reaches_the_caller(tmp_path):
+    """A shard that fails in the writing thread fails the caller (at the next add or close), not silently."""
+    out = tmp_path / "train"
+    writer = ShardWriter(out, samples_per_shard=1, background=True)
+    writer.add("s0", {"hidden": torch.zeros(2, 2, dtype=torch.complex64)})  # no safetensors dtype for it
+    with pytest.raises(KeyError):
+        writer.close()
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_shard_round_trip_and_manifest(tmp_path):

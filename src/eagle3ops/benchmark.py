@@ -6,7 +6,12 @@ values). Figures:
 - ceilings: bf16 matrix product TFLOP/s, device copy GB/s (bytes read + written), disk write with fsync GB/s;
 - extraction: the naive pipeline (`output_hidden_states=True`, copy to host and save after each batch) and ours
   (extraction.extract_features: hooks, length-sorted batches, overlapped copies and shard writing), tokens/s,
-  disk GB/s, MFU = 2 * target params * tokens/s over the measured matrix ceiling;
+  disk GB/s, MFU = 2 * target params * tokens/s over the measured matrix ceiling; ours also as the sequence
+  length grows (at a fixed number of tokens per batch) and as the batch grows, each beside the target's forward
+  alone at that shape, the compute limit;
+- extraction with the target split layer-wise over the GPUs (`extract-split`, target.device_map "balanced" through
+  the real loading code) against the same weights on one GPU: tokens/s, peak memory of each GPU, and the largest
+  difference between the hidden states the two placements stored;
 - training: one optimizer step of the TTT loss (modeling/draft.py) at each batch size and length, the first
   step (compilation included) apart, tokens/s, peak memory, MFU from the step's counted FLOPs; `reference`
   rows run the explicit TTT attention (scores materialised), `flex` rows the fused kernel;
@@ -38,6 +43,10 @@ class BenchSize:
     extract_seq_len: int
     extract_sequences: int
     extract_batch_size: int
+    extract_lengths: list[int]  # the length sweep, at extract_batch_tokens tokens per batch
+    extract_batch_tokens: int
+    extract_batches: list[int]  # the batch sweep, at extract_seq_len
+    extract_shard_tokens: int  # tokens per shard (the same bytes per shard at every length)
     train_batches: list[int]  # batch sizes at train_seq_len
     train_seq_len: int
     long_seq_lens: list[int]  # batch 1
@@ -58,9 +67,11 @@ def _preset_architecture(name: str) -> dict:
 
 
 SIZES = {
-    "tiny": lambda: BenchSize(TINY_ARCH, 256, 256, 32, 8, [1, 4], 256, [512], 4, 512, 32 << 20),
-    "8b": lambda: BenchSize(_preset_architecture("llama-3.1-8b.json"), 32000, 2048, 96, 8, [1, 2, 4], 2048,
-                            [4096, 8192, 16384], 8, 8192, 4 << 30),
+    "tiny": lambda: BenchSize(TINY_ARCH, 256, 256, 32, 8, [128, 256, 512], 2048, [1, 4, 8], 4096, [1, 4], 256, [512],
+                              4, 512, 32 << 20),
+    # 128 x 2048 tokens per extraction point: 8.6 GB written, shards of 2 GiB as the presets size them.
+    "8b": lambda: BenchSize(_preset_architecture("llama-3.1-8b.json"), 32000, 2048, 128, 8, [1024, 2048, 4096, 8192],
+                            16384, [1, 2, 4, 8, 16], 65536, [1, 2, 4], 2048, [4096, 8192, 16384], 8, 8192, 4 << 30),
 }
 
 
@@ -132,8 +143,10 @@ def _samples(count: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
 
 
 @torch.no_grad()
-def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path) -> dict:
-    """What a first script does: all hidden states, copied to the host and saved synchronously per batch."""
+def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path,
+                  samples_per_shard: int = 0) -> dict:
+    """What a first script does: all hidden states, copied to the host and saved synchronously per batch (one
+    file each: `samples_per_shard` does not apply)."""
     import os
 
     from safetensors.torch import save
@@ -156,17 +169,107 @@ def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "disk_gbps": written / seconds / 1e9}
 
 
-def extract_ours(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path) -> dict:
+def extract_ours(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path,
+                 samples_per_shard: int) -> dict:
     from eagle3ops.extraction import extract_features
 
     _sync(model.device)
     start = time.perf_counter()
-    result = extract_features(model, samples, aux_layers, out_dir, batch_size, samples_per_shard=4 * batch_size,
+    result = extract_features(model, samples, aux_layers, out_dir, batch_size, samples_per_shard=samples_per_shard,
                               dtype="bfloat16", desc="bench extract")
     seconds = time.perf_counter() - start
     written = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
     return {"tokens": result.tokens, "seconds": seconds, "tokens_per_s": result.tokens / seconds,
             "disk_gbps": written / seconds / 1e9}
+
+
+def _aux_layers(architecture: dict) -> list[int]:
+    layers = architecture["num_hidden_layers"]
+    return [2, layers // 2, layers - 3]
+
+
+def bench_extraction(size: BenchSize, device: torch.device, work_dir: Path, peak_tflops: float) -> dict:
+    """The naive pipeline and ours at the base shape, then ours at every shape of the length and batch sweeps,
+    each point over the same number of tokens and beside the forward alone at its shape."""
+    arch = size.architecture
+    model = build_target(arch, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    aux_layers, total_tokens = _aux_layers(arch), size.extract_sequences * size.extract_seq_len
+    mfu = lambda tokens_per_s: 2 * params * tokens_per_s / (peak_tflops * 1e12)  # noqa: E731
+    base = (size.extract_batch_size, size.extract_seq_len)
+    shapes = sorted({base, *((size.extract_batch_tokens // n, n) for n in size.extract_lengths),
+                     *((b, size.extract_seq_len) for b in size.extract_batches)}, key=lambda shape: (shape[1], shape[0]))
+    result: dict = {"target_params": params, "bytes_per_token": 4 * arch["hidden_size"] * 2, "tokens_per_point": total_tokens,
+                    "shard_tokens": size.extract_shard_tokens, "base": {"batch": base[0], "length": base[1]}, "runs": []}
+    for batch, length in shapes:
+        samples = _samples(total_tokens // length, length, arch["vocab_size"])
+        ids = torch.tensor([s["input_ids"] for s in samples[:batch]], device=device)
+        forward_s = timed(lambda: model(input_ids=ids, logits_to_keep=1), device, repeats=3, warmup=1)  # warms up too
+        pipelines = (("naive", extract_naive), ("ours", extract_ours)) if (batch, length) == base else (("ours", extract_ours),)
+        for name, fn in pipelines:
+            out = work_dir / f"extract-{name}"
+            row = fn(model, samples, aux_layers, batch, out, max(batch, size.extract_shard_tokens // length))
+            shutil.rmtree(out, ignore_errors=True)
+            row.update(pipeline=name, batch=batch, length=length, mfu=mfu(row["tokens_per_s"]),
+                       forward_only_tokens_per_s=batch * length / forward_s, forward_only_mfu=mfu(batch * length / forward_s))
+            result["runs"].append(row)
+            print(f"bench extract {name} batch {batch} x {length}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def bench_split_extraction(size: BenchSize, device: torch.device, work_dir: Path) -> dict:
+    """The target saved once, then loaded by the extract stage's own code (load_target) twice: whole on one
+    device, and split layer-wise over every GPU (target.device_map "balanced"); the same samples extracted by
+    both, and the stored hidden states compared. On a machine with fewer than two GPUs the second placement is
+    one device too (a check of the bench itself, not of a split)."""
+    from eagle3ops.config import TargetConfig
+    from eagle3ops.data.shards import iter_samples
+    from eagle3ops.modeling.target import load_target
+
+    arch = size.architecture
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    target_dir = work_dir / "split-target"
+    build_target(arch, device, getattr(torch, dtype)).save_pretrained(target_dir)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    placements = {"one_device": {"device": str(device)},
+                  "split": {"device_map": "balanced"} if gpus >= 2 else {"device_map": {"": str(device)}}}
+    samples = _samples(size.extract_sequences // 2, size.extract_seq_len, arch["vocab_size"], seed=1)
+    shard_samples = max(size.extract_batch_size, size.extract_shard_tokens // size.extract_seq_len)
+    runs = []
+    for name, placement in placements.items():
+        model = load_target(TargetConfig(path=str(target_dir), dtype=dtype, **placement))
+        layout = getattr(model, "hf_device_map", {"": str(model.device)})
+        for index in range(gpus):
+            torch.cuda.reset_peak_memory_stats(index)
+        extract_ours(model, samples[: size.extract_batch_size], _aux_layers(arch), size.extract_batch_size,
+                     work_dir / "split-warmup", shard_samples)
+        shutil.rmtree(work_dir / "split-warmup")
+        row = extract_ours(model, samples, _aux_layers(arch), size.extract_batch_size, work_dir / f"split-{name}",
+                           shard_samples)
+        row.update(placement=name, modules_per_device={str(d): list(layout.values()).count(d) for d in
+                                                        dict.fromkeys(layout.values())},
+                   peak_gib_per_gpu=[round(torch.cuda.max_memory_allocated(i) / 2**30, 2) for i in range(gpus)])
+        runs.append(row)
+        print(f"bench extract-split {name}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+        del model
+        if gpus:
+            torch.cuda.empty_cache()
+    differences = {"aux_hidden": 0.0, "final_hidden": 0.0}
+    pairs = zip(iter_samples(work_dir / "split-one_device"), iter_samples(work_dir / "split-split"), strict=True)
+    for (id_one, one), (id_split, split) in pairs:
+        if id_one != id_split:
+            raise RuntimeError(f"the two placements stored samples in another order: {id_one} vs {id_split}")
+        for key in differences:
+            differences[key] = max(differences[key], (one[key].float() - split[key].float()).abs().max().item())
+    for path in (target_dir, work_dir / "split-one_device", work_dir / "split-split"):
+        shutil.rmtree(path)
+    return {"gpus": gpus, "sequences": len(samples), "seq_len": size.extract_seq_len,
+            "batch_size": size.extract_batch_size, "runs": runs, "max_abs_difference": differences}
 
 
 # ------------------------------------------------------------------------------------------------------ training
@@ -322,7 +425,9 @@ def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None
 # ------------------------------------------------------------------------------------------------------ the run
 
 def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple[str, ...] = ("extract", "train"),
-              kernels: tuple[str, ...] = ("flex", "reference")) -> dict:
+              kernels: tuple[str, ...] = ("flex", "reference"),
+              train_shapes: list[tuple[int, int]] | None = None) -> dict:
+    """`train_shapes` ((batch, length) pairs) replace the size's training shapes."""
     size = SIZES[size_name]()
     arch = size.architecture
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -332,33 +437,12 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
     result["ceilings"] = measure_ceilings(device, size.matmul_n, work_dir, size.disk_bytes)
     peak_tflops = result["ceilings"]["matmul_tflops"]
     if "extract" in parts:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = build_target(arch, device, dtype)
-        params = sum(p.numel() for p in model.parameters())
-        layers = arch["num_hidden_layers"]
-        aux_layers = [2, layers // 2, layers - 3]
-        samples = _samples(size.extract_sequences, size.extract_seq_len, arch["vocab_size"])
-        rows = {}
-        for name, fn in (("naive", extract_naive), ("ours", extract_ours)):
-            out = work_dir / f"extract-{name}"
-            fn(model, samples[: size.extract_batch_size], aux_layers, size.extract_batch_size, work_dir / "warmup")
-            shutil.rmtree(work_dir / "warmup", ignore_errors=True)
-            row = fn(model, samples, aux_layers, size.extract_batch_size, out)
-            row["mfu"] = 2 * params * row["tokens_per_s"] / (peak_tflops * 1e12)
-            rows[name] = row
-            shutil.rmtree(out, ignore_errors=True)
-        forward_s = timed(lambda: model(input_ids=torch.tensor([s["input_ids"] for s in samples[: size.extract_batch_size]],
-                                                               device=device), logits_to_keep=1), device, repeats=3, warmup=1)
-        tokens = size.extract_batch_size * size.extract_seq_len
-        rows["forward_only"] = {"tokens_per_s": tokens / forward_s, "mfu": 2 * params * tokens / forward_s / (peak_tflops * 1e12)}
-        result["extract"] = {"target_params": params, "seq_len": size.extract_seq_len, "batch_size": size.extract_batch_size,
-                             "sequences": size.extract_sequences, "bytes_per_token": 4 * arch["hidden_size"] * 2, **rows}
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        result["extract"] = bench_extraction(size, device, work_dir, peak_tflops)
+    if "extract-split" in parts:
+        result["extract_split"] = bench_split_extraction(size, device, work_dir)
     if "train" in parts:
         cfg = draft_config(arch, size.draft_vocab_size)
-        shapes = [(b, size.train_seq_len) for b in size.train_batches] + [(1, n) for n in size.long_seq_lens]
+        shapes = train_shapes or [(b, size.train_seq_len) for b in size.train_batches] + [(1, n) for n in size.long_seq_lens]
         rows = []
         for kernel in [k for k in kernels if k == "reference" or device.type == "cuda"]:  # flex trains on GPUs only
             for batch, length in shapes:
@@ -401,15 +485,9 @@ def render(result: dict) -> str:
     lines += [f"Ceilings: matmul {ceilings['matmul_tflops']:.0f} TFLOP/s ({ceilings['matmul_dtype']}), device copy "
               f"{ceilings['copy_gbps']:.0f} GB/s, disk write+fsync {ceilings['disk_write_gbps']:.2f} GB/s", ""]
     if "extract" in result:
-        extract = result["extract"]
-        disk_limit = ceilings["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
-        rows = [{"pipeline": name, "tok/s": f"{extract[name]['tokens_per_s']:,.0f}", "MFU": f"{extract[name]['mfu']:.0%}",
-                 "disk GB/s": f"{extract[name].get('disk_gbps', 0):.2f}" if "disk_gbps" in extract[name] else "-"}
-                for name in ("forward_only", "naive", "ours")]
-        lines += [f"## Extraction ({extract['target_params'] / 1e9:.1f}B target, {extract['sequences']} x "
-                  f"{extract['seq_len']} tokens, batch {extract['batch_size']}; disk allows {disk_limit:,.0f} tok/s)", "",
-                  markdown_table(pd.DataFrame(rows), "g"), "",
-                  f"ours / naive: {extract['ours']['tokens_per_s'] / extract['naive']['tokens_per_s']:.2f}x", ""]
+        lines += render_extraction(result["extract"], ceilings)
+    if "extract_split" in result:
+        lines += render_split_extraction(result["extract_split"])
     if "train" in result:
         rows = []
         for row in result["train"]:
@@ -423,6 +501,42 @@ def render(result: dict) -> str:
                          "SpecForge GiB": reference[1] if reference else "-"})
         lines += ["## Drafter training (TTT 7, one optimizer step)", "", markdown_table(pd.DataFrame(rows), "g"), ""]
     return "\n".join(lines)
+
+
+def render_extraction(extract: dict, ceilings: dict) -> list[str]:
+    import pandas as pd
+
+    from eagle3ops.reporting import markdown_table
+
+    disk_limit = ceilings["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
+    rows = [{"pipeline": run["pipeline"], "batch": run["batch"], "length": run["length"],
+             "tok/s": f"{run['tokens_per_s']:,.0f}", "MFU": f"{run['mfu']:.0%}", "disk GB/s": f"{run['disk_gbps']:.2f}",
+             "forward alone tok/s": f"{run['forward_only_tokens_per_s']:,.0f}",
+             "of forward": f"{run['tokens_per_s'] / run['forward_only_tokens_per_s']:.0%}",
+             "of disk limit": f"{run['tokens_per_s'] / disk_limit:.0%}"} for run in extract["runs"]]
+    base = extract["base"]
+    at_base = {run["pipeline"]: run["tokens_per_s"] for run in extract["runs"]
+               if (run["batch"], run["length"]) == (base["batch"], base["length"])}
+    return [f"## Extraction ({extract['target_params'] / 1e9:.1f}B target, {extract['tokens_per_point']:,} tokens per "
+            f"row, shards of {extract['shard_tokens']:,} tokens; the disk allows {disk_limit:,.0f} tok/s at "
+            f"{extract['bytes_per_token']:,} bytes/token)", "", markdown_table(pd.DataFrame(rows), "g"), "",
+            f"ours / naive at batch {base['batch']} x {base['length']}: {at_base['ours'] / at_base['naive']:.2f}x", ""]
+
+
+def render_split_extraction(split: dict) -> list[str]:
+    import pandas as pd
+
+    from eagle3ops.reporting import markdown_table
+
+    rows = [{"placement": run["placement"], "modules per device": ", ".join(f"{d}: {n}" for d, n in
+                                                                            run["modules_per_device"].items()),
+             "tok/s": f"{run['tokens_per_s']:,.0f}",
+             "peak GiB per GPU": " / ".join(str(g) for g in run["peak_gib_per_gpu"]) or "-"} for run in split["runs"]]
+    difference = split["max_abs_difference"]
+    return [f"## Extraction with the target split over {split['gpus']} GPUs ({split['sequences']} x {split['seq_len']} "
+            f"tokens, batch {split['batch_size']})", "", markdown_table(pd.DataFrame(rows), "g"), "",
+            f"Largest difference between the stored hidden states of the two placements: aux "
+            f"{difference['aux_hidden']:.3g}, final {difference['final_hidden']:.3g}", ""]
 
 
 def render_data_parallel(bench: dict, backend: str) -> list[str]:
@@ -477,6 +591,40 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def plot_extraction(result: dict, path: Path) -> None:
+    """Extraction tokens/s as the length grows (fixed tokens per batch) and as the batch grows (at the base
+    length): ours, the forward alone at each shape (the compute limit) and the disk limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    extract = result["extract"]
+    ours = [run for run in extract["runs"] if run["pipeline"] == "ours"]
+    base, batch_tokens = extract["base"], extract["base"]["batch"] * extract["base"]["length"]
+    disk_limit = result["ceilings"]["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, key, keep, label in (
+            (axes[0], "length", lambda r: r["batch"] * r["length"] == batch_tokens, f"sequence length ({batch_tokens:,} tokens per batch)"),
+            (axes[1], "batch", lambda r: r["length"] == base["length"], f"batch size (length {base['length']})")):
+        points = sorted((r for r in ours if keep(r)), key=lambda r: r[key])
+        xs = [r[key] for r in points]
+        axis.plot(xs, [r["forward_only_tokens_per_s"] for r in points], marker="s", linestyle="--", label="forward alone")
+        axis.plot(xs, [r["tokens_per_s"] for r in points], marker="o", label="eagle3ops extraction (on disk)")
+        axis.axhline(disk_limit, color="grey", linestyle=":", label="disk write limit")
+        naive = [r for r in extract["runs"] if r["pipeline"] == "naive"]
+        axis.plot([r[key] for r in naive], [r["tokens_per_s"] for r in naive], marker="x", linestyle="", color="red",
+                  label="naive pipeline")
+        axis.set(xscale="log", xlabel=label, ylabel="extraction tokens/s", ylim=(0, None))
+        axis.set_xticks(xs, [str(x) for x in xs])
+        axis.minorticks_off()
+    axes[0].legend(fontsize=8)
+    figure.suptitle(f"Hidden-state extraction speed on {result['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def write_result(result: dict, out: Path) -> None:
     from eagle3ops.fs import write_json_atomic
 
@@ -484,3 +632,5 @@ def write_result(result: dict, out: Path) -> None:
     out.with_suffix(".md").write_text(render(result) + "\n")
     if result.get("train"):
         plot([result], out.with_suffix(".png"))
+    if result.get("extract"):
+        plot_extraction(result, out.with_name(out.stem + "-extract.png"))

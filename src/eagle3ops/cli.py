@@ -119,9 +119,13 @@ def parser() -> argparse.ArgumentParser:
                     "data-parallel training at one global batch, tokens/s and the loss of each step against one "
                     "rank alone.")
     bench.add_argument("--size", choices=["tiny", "8b"], default="tiny", help="workload scale (default: %(default)s)")
-    bench.add_argument("--parts", nargs="+", choices=["extract", "train"], default=["extract", "train"])
+    bench.add_argument("--parts", nargs="+", choices=["extract", "extract-split", "train"], default=["extract", "train"],
+                       help="extract: naive vs ours, by length and batch; extract-split: the target split over "
+                            "the GPUs vs one GPU; train: drafter steps (default: extract train)")
     bench.add_argument("--kernels", nargs="+", choices=["flex", "reference"], default=["flex", "reference"],
                        help="TTT attention kernels to time in training (default: both)")
+    bench.add_argument("--train-shapes", nargs="+", type=_batch_by_length, metavar="BxL",
+                       help="training shapes to time instead of the size's own, e.g. 1x1024 4x2048")
     bench.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
     bench.add_argument("--work-dir", default=".eagle3ops/bench", help="scratch space on the disk to measure")
     bench.add_argument("--out", default="bench/results/bench.json", help="JSON result; the table goes beside it as .md")
@@ -239,6 +243,13 @@ def _project(args) -> int:
     return 0
 
 
+def _batch_by_length(text: str) -> tuple[int, int]:
+    batch, _, length = text.partition("x")
+    if not (batch.isdigit() and length.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxLENGTH, e.g. 1x2048")
+    return int(batch), int(length)
+
+
 def _bench(args) -> int:
     from eagle3ops.benchmark import render, run_bench, run_data_parallel_bench, write_result
     from eagle3ops.distributed import launched_world
@@ -252,7 +263,7 @@ def _bench(args) -> int:
             return 0
     else:
         result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
-                           tuple(args.kernels))
+                           tuple(args.kernels), args.train_shapes)
     result["command"] = "eagle3ops " + " ".join(sys.argv[1:])
     write_result(result, Path(args.out))
     print(render(result))

@@ -44,14 +44,15 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
     up to a multiple of batch_size): a run resumed after its last complete shard (`resumable`) forms the very
     same batches, so its shards are byte for byte those of an uninterrupted run.
 
-    Three things overlap: the target's forward of batch i+1 on the device, the copy of batch i's states to the
-    host, and the writing of finished shards by a background thread. At most `QUEUED_BATCHES` batches wait for
-    the writer, so host memory stays bounded by about one shard plus those batches."""
+    Four things overlap: the target's forward of batch i+1 on the device, the copy of batch i's states to the
+    host, the sorting of copied batches into samples by a background thread, and the writing of the last full
+    shard by another. At most `QUEUED_BATCHES` batches wait, so host memory stays bounded by two shards (one
+    filling, one being written) plus those batches; when the disk is the slower side, the forward waits."""
     device = model.device
     store_dtype = DTYPES[dtype]
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
     samples_per_shard = math.ceil(samples_per_shard / batch_size) * batch_size
-    writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable,
+    writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable, background=True,
                          meta={**(meta or {}), "aux_layers": aux_layers,
                                "hidden_size": model_text_config(model).hidden_size, "dtype": dtype})
     done = writer.samples_done

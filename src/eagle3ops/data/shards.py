@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,11 +85,16 @@ class ShardWriter:
     With `resumable`, the partial directory survives a crash: each shard is renamed into it only once complete,
     and `progress.json` lists the complete ones (their sha256 checked on resume), so a new writer continues
     after the last complete shard; `samples_done` says how many samples that covers.
+
+    With `background`, a full shard is written by a thread while the next one fills, at most one at a time: the
+    caller blocks only when a second shard is full before the first is on disk, so host memory stays bounded by
+    two shards. A failed write (a full disk) is raised by the next `add` or by `close`.
     """
     out_dir: Path
     samples_per_shard: int
     meta: dict = field(default_factory=dict)
     resumable: bool = False
+    background: bool = False
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -98,6 +103,8 @@ class ShardWriter:
         self._ids: list[str] = []
         self._skipped: list[str] = []  # inputs left out since the last shard (e.g. NaN hidden states)
         self._shards: list[dict] = self._resume() if self.resumable else []
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="shard-flush") if self.background else None
+        self._writing: Future | None = None
         if not self._shards:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp.mkdir(parents=True)
@@ -116,7 +123,7 @@ class ShardWriter:
 
     @property
     def samples_done(self) -> int:
-        """Inputs the complete shards account for: those written and those skipped (`skip`) before them."""
+        """(Read before adding.) Inputs the complete shards account for: those written and those skipped (`skip`) before them."""
         return sum(s["samples"] + len(s.get("skipped", [])) for s in self._shards)
 
     @property
@@ -136,13 +143,27 @@ class ShardWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        lengths = [next(iter(sample.values())).shape[0] for sample in self._pending]
-        columns = {name: [s[name] for s in self._pending] for name in self._pending[0]}
+        self._wait()  # the previous shard is on disk (or its error raised) before this one is named
+        shard = self._pending, self._ids, self._skipped
+        self._pending, self._ids, self._skipped = [], [], []
+        if self._flusher is None:
+            self._write(*shard)
+        else:
+            self._writing = self._flusher.submit(self._write, *shard)
+
+    def _wait(self) -> None:
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def _write(self, samples: list[dict[str, torch.Tensor]], ids: list[str], skipped: list[str]) -> None:
+        lengths = [next(iter(sample.values())).shape[0] for sample in samples]
+        columns = {name: [s[name] for s in samples] for name in samples[0]}
         columns["offsets"] = [torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)]
         name = f"shard-{len(self._shards):05d}.safetensors"
         incomplete = self._tmp / f".{name}.tmp"
         try:
-            digest = write_safetensors(incomplete, columns, {"sample_ids": json.dumps(self._ids)})
+            digest = write_safetensors(incomplete, columns, {"sample_ids": json.dumps(ids)})
         except OSError as err:
             incomplete.unlink(missing_ok=True)
             if err.errno != errno.ENOSPC:
@@ -153,8 +174,7 @@ class ShardWriter:
                                 ) from None
         os.replace(incomplete, self._tmp / name)
         self._shards.append({"file": name, "sha256": digest, "samples": len(lengths), "tokens": int(sum(lengths)),
-                             **({"skipped": self._skipped} if self._skipped else {})})
-        self._pending, self._ids, self._skipped = [], [], []
+                             **({"skipped": skipped} if skipped else {})})
         if self.resumable:
             write_json_atomic(self._tmp / PROGRESS, {"meta": self.meta, "samples_per_shard": self.samples_per_shard,
                                                      "shards": self._shards})
@@ -162,6 +182,9 @@ class ShardWriter:
     def close(self) -> dict:
         """Write the last shard and the manifest, then move the directory into place."""
         self._flush()
+        self._wait()
+        if self._flusher is not None:
+            self._flusher.shutdown()
         manifest = {**self.meta, "samples": sum(s["samples"] for s in self._shards),
                     "tokens": sum(s["tokens"] for s in self._shards), "shards": self._shards}
         (self._tmp / PROGRESS).unlink(missing_ok=True)
@@ -171,6 +194,8 @@ class ShardWriter:
         return manifest
 
     def abort(self) -> None:
+        if self._writing is not None:
+            self._writing.exception()  # let a shard in flight finish before its directory goes
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU benchmarks whose results are in bench/results/, with the exact commands. From the repository root:
+#   bench/gpu.sh two-gpus    # on a machine with two GPUs: data-parallel training and the split target
+#   bench/gpu.sh one-gpu     # extraction by length and batch, training at 1K tokens
+# SIZE=tiny runs the same commands at the tiny scale (a check of the script; results to $OUT_DIR).
+set -euo pipefail
+size=${SIZE:-8b}
+out=${OUT_DIR:-bench/results}
+python=${PYTHON:-python3}
+run() { echo "+ $*" >&2; "$@"; }
+case ${1:?two-gpus or one-gpu} in
+  two-gpus)
+    run "$python" -m torch.distributed.run --standalone --nproc-per-node 2 -m eagle3ops.cli bench --size "$size" \
+        --parts train --out "$out/h200x2-ddp-train.json"
+    run "$python" -m eagle3ops.cli bench --size "$size" --parts extract-split --out "$out/h200x2-extract-split.json" ;;
+  one-gpu)
+    run "$python" -m eagle3ops.cli bench --size "$size" --parts extract --out "$out/h200-extract-scaling.json"
+    run "$python" -m eagle3ops.cli bench --size "$size" --parts train --kernels flex --train-shapes 1x1024 \
+        --out "$out/h200-train-1k.json" ;;
+  *) echo "usage: bench/gpu.sh two-gpus|one-gpu" >&2; exit 2 ;;
+esac

@@ -1,0 +1,38 @@
+"""`eagle3ops bench` at the tiny size on the CPU: every part runs, and the figures it reports hold together."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from eagle3ops.benchmark import SIZES, run_bench, write_result
+
+
+def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
+    result = run_bench("tiny", torch.device("cpu"), tmp_path / "work", parts=("extract", "extract-split", "train"),
+                       kernels=("reference",), train_shapes=[(1, 64)])
+    size = SIZES["tiny"]()
+    runs = result["extract"]["runs"]
+    shapes = {(run["batch"], run["length"]) for run in runs if run["pipeline"] == "ours"}
+    # Every length at a fixed number of tokens per batch, every batch at the base length, and the naive
+    # pipeline at the base shape only.
+    assert {(size.extract_batch_tokens // n, n) for n in size.extract_lengths} <= shapes
+    assert {(b, size.extract_seq_len) for b in size.extract_batches} <= shapes
+    assert [(r["batch"], r["length"]) for r in runs if r["pipeline"] == "naive"] == [(size.extract_batch_size,
+                                                                                     size.extract_seq_len)]
+    for run in runs:  # each point extracted the same number of tokens, durably written
+        assert run["tokens"] == result["extract"]["tokens_per_point"] and run["disk_gbps"] > 0
+    # Both placements stored exactly the same hidden states (one device each on a CPU).
+    split = result["extract_split"]
+    assert [run["placement"] for run in split["runs"]] == ["one_device", "split"]
+    assert split["max_abs_difference"] == {"aux_hidden": 0.0, "final_hidden": 0.0}
+    assert not list((tmp_path / "work").glob("split-*")), "the saved target and the shards are removed"
+    [train] = result["train"]
+    assert (train["batch"], train["length"], train["kernel"]) == (1, 64, "reference") and train["tokens_per_s"] > 0
+
+    out = tmp_path / "tiny.json"
+    write_result(result, out)
+    assert json.loads(out.read_text())["extract"]["runs"] == json.loads(json.dumps(runs))
+    table = out.with_suffix(".md").read_text()
+    assert "ours / naive at batch 8 x 256" in table and "split over 0 GPUs" in table
+    assert (tmp_path / "tiny-extract.png").stat().st_size > 0 and (tmp_path / "tiny.png").stat().st_size > 0
