@@ -11,7 +11,9 @@ import functools
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -49,20 +51,52 @@ GPU_LENGTH_BUCKET = 256  # compiled kernels exist per length: bucket lengths so 
 
 
 def pad_batch(samples: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad ragged samples ({name: [T_i, ...]}) to [B, T_max, ...]; on a GPU T_max is rounded up to a
-    multiple of GPU_LENGTH_BUCKET. Padding changes nothing: causal attention never looks right, and padded
+    """Right-pad ragged samples ({name: [T_i, ...]}) to [B, T_max, ...] on `device`; on a GPU T_max is rounded up
+    to a multiple of GPU_LENGTH_BUCKET. Padding changes nothing: causal attention never looks right, and padded
     positions carry loss_mask 0."""
+    return _to_device(_pad_on_host(samples, device), device)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+def _pad_on_host(samples: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """pad_batch's host side, in pinned memory when the batch goes to a GPU (its copy then does not block)."""
     length = max(s["input_ids"].shape[0] for s in samples)
     if device.type == "cuda":
         length = math.ceil(length / GPU_LENGTH_BUCKET) * GPU_LENGTH_BUCKET
     batch = {}
     for name in samples[0]:
         first = samples[0][name]
-        out = first.new_zeros((len(samples), length, *first.shape[1:]))
+        out = torch.zeros((len(samples), length, *first.shape[1:]), dtype=first.dtype, pin_memory=device.type == "cuda")
         for row, sample in enumerate(samples):
             out[row, : sample[name].shape[0]] = sample[name]
-        batch[name] = out.to(device, non_blocking=True)
+        batch[name] = out
     return batch
+
+
+PADDED_AHEAD = 2
+
+
+def _padded_ahead(items: Iterator[tuple[int, list]], world: World, device: torch.device
+                  ) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
+    """(epoch, global batch, this rank's share padded on the host) with the padding done by a thread
+    PADDED_AHEAD batches ahead: the device does not wait for the CPU to assemble the next batch (hundreds of
+    MB of hidden states at real sizes)."""
+    def pad(batch: list) -> dict[str, torch.Tensor]:
+        return _pad_on_host(_rank_share(batch, world), device)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="batch-padding") as pool:
+        ahead: deque = deque()
+        for epoch, batch in items:
+            ahead.append((epoch, batch, pool.submit(pad, batch)))
+            if len(ahead) > PADDED_AHEAD:
+                epoch, batch, padded = ahead.popleft()
+                yield epoch, batch, padded.result()
+        while ahead:
+            epoch, batch, padded = ahead.popleft()
+            yield epoch, batch, padded.result()
 
 
 def batches(samples: list, batch_size: int, seed: int, epoch: int) -> list[list]:
@@ -211,8 +245,9 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
     start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
     progress = progress_bar(total_steps, desc, "step", initial=step) if world.main else tqdm(disable=True)
-    for epoch, batch_samples in _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs):
-        batch = pad_batch(_rank_share(batch_samples, world), device)
+    remaining = _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs)
+    for epoch, batch_samples, padded in _padded_ahead(remaining, world, device):
+        batch = _to_device(padded, device)
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser)
         loss = result.loss
         optimizer.zero_grad(set_to_none=True)
