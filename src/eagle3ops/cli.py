@@ -264,7 +264,9 @@ def _bench(args) -> int:
     else:
         result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
                            tuple(args.kernels), args.train_shapes)
-    result["command"] = "eagle3ops " + " ".join(sys.argv[1:])
+    world = launched_world().size
+    launcher = f"torchrun --nproc-per-node {world} -m eagle3ops.cli" if world > 1 else "eagle3ops"
+    result["command"] = f"{launcher} " + " ".join(sys.argv[1:])
     write_result(result, Path(args.out))
     print(render(result))
     return 0

@@ -28,6 +28,7 @@ class ExtractResult:
     wall_s: float
     manifest: dict
     nonfinite: list[str]  # ids of samples skipped for NaN/inf hidden states
+    drain_s: float = 0.0  # of wall_s, the wait after the last batch was queued (its forward, the last shard's write)
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,16 +70,22 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                 for r, i in enumerate(rows):
                     ids[r, : lengths[r]] = torch.tensor(samples[i]["input_ids"])
                 mask = torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]  # [B, T] real positions
+                # Known on the host, so packing needs no sync with the device: the CPU queues batch i+1's
+                # forward while the device still runs batch i's.
+                positions = mask.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)  # [sum(lengths)]
                 mask_on_device = mask.to(device, non_blocking=True)
-                model(input_ids=ids.to(device, non_blocking=True), attention_mask=mask_on_device.long(),
-                      use_cache=False, logits_to_keep=1)
+                padded = min(lengths) < ids.shape[1]  # without padding, no mask: the plain causal kernel
+                model(input_ids=ids.to(device, non_blocking=True),
+                      attention_mask=mask_on_device.long() if padded else None, use_cache=False, logits_to_keep=1)
                 aux, final = hooks.aux().to(store_dtype), hooks.final().to(store_dtype)  # [B, T, 3H], [B, T, H]
                 finite = (aux.isfinite().all(-1) & final.isfinite().all(-1) | ~mask_on_device).all(-1)  # [B]
                 # Only the real positions travel, packed sample after sample: [sum(lengths), 3H] and [.., H].
-                sink.put(rows, lengths, ids, _to_host(aux[mask_on_device]), _to_host(final[mask_on_device]),
-                         _to_host(finite))
+                packed_aux = aux.flatten(0, 1).index_select(0, positions)
+                packed_final = final.flatten(0, 1).index_select(0, positions)
+                sink.put(rows, lengths, ids, _to_host(packed_aux), _to_host(packed_final), _to_host(finite))
                 tokens += sum(lengths)
                 bar.update(len(rows))
+        forwards_done = time.perf_counter()
         sink.close()
         manifest = writer.close()
     except BaseException:
@@ -86,7 +93,8 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
         if not resumable:
             writer.abort()
         raise
-    return ExtractResult(manifest["samples"], tokens, time.perf_counter() - start, manifest, sink.nonfinite)
+    end = time.perf_counter()
+    return ExtractResult(manifest["samples"], tokens, end - start, manifest, sink.nonfinite, end - forwards_done)
 
 
 QUEUED_BATCHES = 2
