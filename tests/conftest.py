@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+
 
 # A few dozen short strings: enough for BPE to learn some merges, small enough to train in well under a second.
 TEXTS = [
@@ -63,13 +63,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now, for a server a test starts."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_http(url: str, server: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:

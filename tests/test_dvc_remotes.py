@@ -27,7 +27,8 @@ import pytest
 import yaml
 from moto.server import ThreadedMotoServer
 
-from conftest import ROOT, commit, free_port, micro_pipeline_repo, ran_stages, run
+from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run
+from eagle3ops.generation_openai import free_port
 
 pytestmark = pytest.mark.e2e
 

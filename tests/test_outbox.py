@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, isolate, wait_for_http
+from conftest import isolate, wait_for_http
 from mlflow import MlflowClient
 
 from eagle3ops.cli import main
 from eagle3ops.config import Config
+from eagle3ops.generation_openai import free_port
 from eagle3ops.outbox import pending
 from eagle3ops.tracking import stage_run
 

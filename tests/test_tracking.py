@@ -11,6 +11,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from eagle3ops.config import Config
+from eagle3ops.reporting import mlflow_ui_hint
 from eagle3ops.tracking import stage_run, tracking_uri
 
 ENV = ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID")
@@ -201,3 +202,9 @@ def test_queued_experiments_record_into_the_repository_store(monkeypatch) -> Non
     assert tracking_uri(Config()) == "sqlite:////srv/project/mlflow.db"
     monkeypatch.setenv("DVC_ROOT", "/srv/project")
     assert tracking_uri(Config()) == "sqlite:////srv/project/mlflow.db"
+
+
+def test_report_points_at_the_right_ui():
+    """A tracking server is its own UI; a local store needs `mlflow ui` started on it."""
+    assert mlflow_ui_hint("http://mlflow.team:5000") == "open http://mlflow.team:5000"
+    assert mlflow_ui_hint("sqlite:///mlflow.db").startswith("`mlflow ui --backend-store-uri sqlite:///mlflow.db`")

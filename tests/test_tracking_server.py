@@ -24,10 +24,11 @@ import psycopg2
 import pytest
 import requests
 import yaml
-from conftest import commit, free_port, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
+from conftest import commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 
 from eagle3ops.cli import main, parser
 from eagle3ops.config import Config
+from eagle3ops.generation_openai import free_port
 from eagle3ops.outbox import pending
 from eagle3ops.tracking import stage_run
 from eagle3ops.tracking_server import server_command
@@ -254,7 +255,8 @@ def test_a_stage_refused_by_the_server_is_kept_for_sync(server, alice, tmp_path,
     cfg.mlflow.system_metrics, cfg.mlflow.registered_model, cfg.mlflow.experiment = False, None, "refused"
     with stage_run(cfg, "eval", variant="scratch") as run_:
         run_.log_metrics({"tau": 2.5})
-    assert "401" in capsys.readouterr().err and len(pending(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "401" in err and "MLflow refused the credentials" in err and len(pending(tmp_path)) == 1
 
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", alice[1])
     assert main(["sync", "--tracking-uri", server.url]) == 0

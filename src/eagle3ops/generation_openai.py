@@ -350,6 +350,7 @@ def regenerate_openai(conversations: list[dict], settings: OpenAIEndpointConfig,
 
 
 def free_port() -> int:
+    """A loopback TCP port nobody listens on now, for a server we start."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

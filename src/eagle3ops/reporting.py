@@ -118,6 +118,13 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str) -> str:
     return frame.to_markdown(index=False, floatfmt=floatfmt, missingval="-")
 
 
+def mlflow_ui_hint(tracking_uri: str) -> str:
+    """Where to look at the runs: a tracking server is already a UI; a local store needs `mlflow ui`."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri}"
+    return f"`mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000"
+
+
 def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
@@ -129,5 +136,5 @@ def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
              "![tau by set](tau_by_set.png)", "",
              "## Stage timings", "", markdown_table(timings, ".1f"), "",
-             f"MLflow runs: `mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000", ""]
+             f"MLflow runs: {mlflow_ui_hint(tracking_uri)}", ""]
     return "\n".join(lines)

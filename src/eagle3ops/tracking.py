@@ -318,7 +318,10 @@ class StageRun:
     def go_offline(self, error: BaseException) -> None:
         if self.outbox is None:
             self.outbox = Outbox(self.root, {**self._record, "run_id": self.run_id, "parent_id": self.parent_id})
-            print(f"eagle3ops: MLflow unreachable ({type(error).__name__}: {str(error)[:200]}); recording this run "
+            refused = any(code in str(error) for code in ("401", "403", "UNAUTHENTICATED", "PERMISSION_DENIED"))
+            what = ("MLflow refused the credentials (check MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+                    if refused else "MLflow unreachable")
+            print(f"eagle3ops: {what} ({type(error).__name__}: {str(error)[:200]}); recording this run "
                   f"in {self.outbox.dir}; `eagle3ops sync` uploads it later", file=sys.stderr, flush=True)
 
     def _send(self, action) -> bool:
