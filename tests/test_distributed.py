@@ -25,7 +25,7 @@ from eagle3ops.distributed import World
 from eagle3ops.errors import InputError
 from eagle3ops.extraction import extract_features
 from eagle3ops.modeling.target import TargetError, load_target
-from eagle3ops.training import _rank_share, train_drafter
+from eagle3ops.training import _padded_ahead, _rank_share, _remaining, train_drafter
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -150,6 +150,20 @@ def test_each_rank_trains_on_its_own_share_of_the_global_batch():
     # A last batch shorter than the world: rank 1 runs a sample that counts no position.
     alone = _rank_share(batch[:1], World(1, 2))
     assert torch.equal(alone[0]["input_ids"], batch[0]["input_ids"]) and not alone[0]["loss_mask"].any()
+
+
+def test_batches_padded_ahead_by_a_thread_are_those_padded_inline():
+    """On a GPU a thread pads the next batches while the step runs: same batches, same order, same shares."""
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 50, (n,), generator=generator), "loss_mask": torch.ones(n, dtype=torch.uint8)}
+               for n in (3, 9, 4, 7, 5, 8, 6)]
+    for world in (World(), World(1, 2)):
+        inline, threaded = (list(_padded_ahead(_remaining(samples, 3, 0, 1, 6, 2), world, torch.device("cpu"), depth))
+                            for depth in (0, 2))
+        assert len(threaded) == len(inline) == 5  # steps 1..5 of 2 epochs of 3 batches (the last one short)
+        for (epoch, batch, padded), (epoch_t, batch_t, padded_t) in zip(inline, threaded):
+            assert epoch == epoch_t and [s["input_ids"] for s in batch] == [s["input_ids"] for s in batch_t]
+            assert padded.keys() == padded_t.keys() and all(torch.equal(padded[k], padded_t[k]) for k in padded)
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused():

@@ -143,10 +143,8 @@ def _samples(count: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
 
 
 @torch.no_grad()
-def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path,
-                  samples_per_shard: int = 0) -> dict:
-    """What a first script does: all hidden states, copied to the host and saved synchronously per batch (one
-    file each: `samples_per_shard` does not apply)."""
+def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path) -> dict:
+    """What a first script does: all hidden states, copied to the host and saved synchronously per batch."""
     import os
 
     from safetensors.torch import save
@@ -207,10 +205,13 @@ def bench_extraction(size: BenchSize, device: torch.device, work_dir: Path, peak
         samples = _samples(total_tokens // length, length, arch["vocab_size"])
         ids = torch.tensor([s["input_ids"] for s in samples[:batch]], device=device)
         forward_s = timed(lambda: model(input_ids=ids, logits_to_keep=1), device, repeats=3, warmup=1)  # warms up too
-        pipelines = (("naive", extract_naive), ("ours", extract_ours)) if (batch, length) == base else (("ours", extract_ours),)
-        for name, fn in pipelines:
+        shard_samples = max(batch, size.extract_shard_tokens // length)
+        pipelines = {"ours": lambda out: extract_ours(model, samples, aux_layers, batch, out, shard_samples)}
+        if (batch, length) == base:
+            pipelines = {"naive": lambda out: extract_naive(model, samples, aux_layers, batch, out), **pipelines}
+        for name, extract in pipelines.items():
             out = work_dir / f"extract-{name}"
-            row = fn(model, samples, aux_layers, batch, out, max(batch, size.extract_shard_tokens // length))
+            row = extract(out)
             shutil.rmtree(out, ignore_errors=True)
             row.update(pipeline=name, batch=batch, length=length, mfu=mfu(row["tokens_per_s"]),
                        forward_only_tokens_per_s=batch * length / forward_s, forward_only_mfu=mfu(batch * length / forward_s))
@@ -229,12 +230,12 @@ def bench_split_extraction(size: BenchSize, device: torch.device, work_dir: Path
     one device too (a check of the bench itself, not of a split)."""
     from eagle3ops.config import TargetConfig
     from eagle3ops.data.shards import iter_samples
-    from eagle3ops.modeling.target import load_target
+    from eagle3ops.modeling.target import DTYPES, load_target
 
     arch = size.architecture
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     target_dir = work_dir / "split-target"
-    build_target(arch, device, getattr(torch, dtype)).save_pretrained(target_dir)
+    build_target(arch, device, DTYPES[dtype]).save_pretrained(target_dir)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0

@@ -255,7 +255,8 @@ def _bench(args) -> int:
     from eagle3ops.distributed import launched_world
     from eagle3ops.modeling.target import resolve_device
 
-    if launched_world().size > 1:  # under torchrun: data-parallel training, against one rank alone
+    world = launched_world().size
+    if world > 1:  # under torchrun: data-parallel training, against one rank alone
         if args.parts != ["train"]:
             raise InputError("under torchrun, bench measures data-parallel training only: give --parts train")
         result = run_data_parallel_bench(args.size, resolve_device(args.device))
@@ -264,7 +265,6 @@ def _bench(args) -> int:
     else:
         result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
                            tuple(args.kernels), args.train_shapes)
-    world = launched_world().size
     launcher = f"torchrun --nproc-per-node {world} -m eagle3ops.cli" if world > 1 else "eagle3ops"
     result["command"] = f"{launcher} " + " ".join(sys.argv[1:])
     write_result(result, Path(args.out))

@@ -76,25 +76,26 @@ def _pad_on_host(samples: list[dict[str, torch.Tensor]], device: torch.device) -
     return batch
 
 
-PADDED_AHEAD = 2
+PADDED_AHEAD = 2  # batches a thread pads ahead for a GPU; none on a CPU, where its ops would fight the step's
+# for the same cores (2x slower)
 
 
-def _padded_ahead(items: Iterator[tuple[int, list]], world: World, device: torch.device
+def _padded_ahead(items: Iterator[tuple[int, list]], world: World, device: torch.device, depth: int
                   ) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
-    """(epoch, global batch, this rank's share padded on the host). For a GPU the padding is done by a thread
-    PADDED_AHEAD batches ahead: the device does not wait for the CPU to assemble the next batch (hundreds of
-    MB of hidden states at real sizes)."""
+    """(epoch, global batch, this rank's share padded on the host), in order. With `depth` > 0 a thread pads
+    that many batches ahead: the device does not wait for the CPU to assemble the next batch (hundreds of MB of
+    hidden states at real sizes)."""
     def pad(batch: list) -> dict[str, torch.Tensor]:
         return _pad_on_host(_rank_share(batch, world), device)
 
-    if device.type != "cuda":  # on a CPU the thread's ops would fight the step's for the same cores (2x slower)
+    if depth == 0:
         yield from ((epoch, batch, pad(batch)) for epoch, batch in items)
         return
     with ThreadPoolExecutor(1, thread_name_prefix="batch-padding") as pool:
         ahead: deque = deque()
         for epoch, batch in items:
             ahead.append((epoch, batch, pool.submit(pad, batch)))
-            if len(ahead) > PADDED_AHEAD:
+            if len(ahead) > depth:
                 epoch, batch, padded = ahead.popleft()
                 yield epoch, batch, padded.result()
         while ahead:
@@ -249,7 +250,8 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
     progress = progress_bar(total_steps, desc, "step", initial=step) if world.main else tqdm(disable=True)
     remaining = _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs)
-    for epoch, batch_samples, padded in _padded_ahead(remaining, world, device):
+    depth = PADDED_AHEAD if device.type == "cuda" else 0
+    for epoch, batch_samples, padded in _padded_ahead(remaining, world, device, depth):
         batch = _to_device(padded, device)
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser)
         loss = result.loss

@@ -123,7 +123,8 @@ class ShardWriter:
 
     @property
     def samples_done(self) -> int:
-        """(Read before adding.) Inputs the complete shards account for: those written and those skipped (`skip`) before them."""
+        """Inputs the complete shards account for: those written and those skipped (`skip`) before them (read it
+        before adding: a shard being written in the background is not counted yet)."""
         return sum(s["samples"] + len(s.get("skipped", [])) for s in self._shards)
 
     @property
@@ -183,8 +184,7 @@ class ShardWriter:
         """Write the last shard and the manifest, then move the directory into place."""
         self._flush()
         self._wait()
-        if self._flusher is not None:
-            self._flusher.shutdown()
+        self._stop_flusher()
         manifest = {**self.meta, "samples": sum(s["samples"] for s in self._shards),
                     "tokens": sum(s["tokens"] for s in self._shards), "shards": self._shards}
         (self._tmp / PROGRESS).unlink(missing_ok=True)
@@ -194,9 +194,12 @@ class ShardWriter:
         return manifest
 
     def abort(self) -> None:
-        if self._writing is not None:
-            self._writing.exception()  # let a shard in flight finish before its directory goes
+        self._stop_flusher()  # a shard in flight finishes before its directory goes
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _stop_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
 
 
 def read_manifest(directory: str | Path) -> dict:
