@@ -233,10 +233,16 @@ def test_ttt_loss_and_gradients_equal_the_plain_reference():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_soft_cross_entropy_gradient():
-    from eagle3ops.modeling.draft import SoftCrossEntropy
+def test_soft_cross_entropy_value_and_gradient():
+    from eagle3ops.modeling.draft import soft_cross_entropy
 
+    torch.manual_seed(0)
     logits = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
     target = torch.randn(3, 5, 7, dtype=torch.float64).softmax(-1)
-    assert torch.autograd.gradcheck(lambda z: SoftCrossEntropy.apply(z, target), (logits,))
-    torch.testing.assert_close(SoftCrossEntropy.apply(logits, target), -(target * logits.log_softmax(-1)).sum(-1))
+    counted = torch.rand(3, 5) > 0.4
+    top = target.argmax(-1)
+    summed, correct = soft_cross_entropy(logits, target, top, counted)
+    expected = -(target * logits.log_softmax(-1)).sum(-1)[counted].sum()
+    torch.testing.assert_close(summed, expected)
+    assert int(correct) == int(((logits.argmax(-1) == top) & counted).sum())
+    assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, target, top, counted)[0], (logits,))

@@ -334,8 +334,9 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
     lm_head = lm_head.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
-    aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device)
-    final = torch.randn(batch, length, cfg.target_hidden_size, device=device)
+    features = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the train stage passes them
+    aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device, dtype=features)
+    final = torch.randn(batch, length, cfg.target_hidden_size, device=device, dtype=features)
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")

@@ -109,9 +109,11 @@ def batches(samples: list, batch_size: int, seed: int, epoch: int) -> list[list]
 
 
 def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None):
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
-        return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].float(), batch["final_hidden"].float(),
-                        batch["loss_mask"], lm_head, ttt_steps, decay, normaliser)
+    on_gpu = batch["input_ids"].is_cuda
+    features = torch.bfloat16 if on_gpu else torch.float32  # bf16 as stored: autocast computes in it anyway
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+        return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].to(features),
+                        batch["final_hidden"].to(features), batch["loss_mask"], lm_head, ttt_steps, decay, normaliser)
 
 
 class _TTTObjective(torch.nn.Module):

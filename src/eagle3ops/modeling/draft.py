@@ -115,14 +115,12 @@ def allow_recompiles() -> None:
 
 
 @functools.cache
-def _flex_kernel(device_type: str):
-    """Compiled on a GPU (the fused kernel); eager elsewhere, where it runs the same math unfused."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+def compiled_on_gpu(fn, device_type: str):
+    """`fn` compiled into fused kernels on a GPU; eager elsewhere, where it runs the same math unfused."""
     if device_type != "cuda":
-        return flex_attention
+        return fn
     allow_recompiles()
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
 def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -130,8 +128,10 @@ def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torc
     T, steps = q.shape[2], len(ttt_cache)
     keys = torch.cat([k for k, _ in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][0]
     values = torch.cat([v for _, v in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][1]
-    return _flex_kernel(q.device.type)(q, keys, values, block_mask=_ttt_block_mask(T, steps, str(q.device)),
-                            enable_gqa=q.shape[1] != keys.shape[1])
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return compiled_on_gpu(flex_attention, q.device.type)(q, keys, values, enable_gqa=q.shape[1] != keys.shape[1],
+                                                          block_mask=_ttt_block_mask(T, steps, str(q.device)))
 
 
 class Attention(nn.Module):
@@ -251,15 +251,22 @@ class Eagle3Draft(nn.Module):
         -> (hidden out [B, T, H], draft logits [B, T, Vd])."""
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache, kv_cache)
-        return hidden, self.lm_head(self.norm(hidden))
+        return hidden, self.head(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> draft logits [B, T, Vd]."""
+        return self.lm_head(self.norm(hidden))
 
     def compile_dense_blocks(self) -> None:
-        """Compile the blocks around the attention (norms, concatenation, SwiGLU, residual adds) into fused
-        kernels: on a GPU they are many small memory-bound kernels per TTT step otherwise."""
+        """Compile the blocks around the attention kernel (norms, concatenation, projections with the rotary
+        embedding, SwiGLU, residual adds, the head) into fused kernels: on a GPU they are many small
+        memory-bound kernels per TTT step otherwise, each writing its float32 intermediates out in full."""
         allow_recompiles()
         layer = self.midlayer
         layer.attention_input = torch.compile(layer.attention_input, dynamic=False)
+        layer.self_attn._qkv = torch.compile(layer.self_attn._qkv, dynamic=False)
         layer.feed_forward = torch.compile(layer.feed_forward, dynamic=False)
+        self.head = torch.compile(self.head, dynamic=False)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -294,25 +301,20 @@ class TTTResult:
     masked: list[int]  # loss-masked positions at step k, counted or not: counted/masked is the vocab coverage
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """-(p * log_softmax(z)).sum(-1) per row, for draft logits z [..., Vd] and target probabilities p [..., Vd].
+def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, target_top: torch.Tensor,
+                       counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TTT step's summed loss and correct count over its counted positions.
 
-    Keeps z (bf16 under autocast) and its log-sum-exp for backward instead of a float32 log-softmax, which
-    halves what each TTT step holds, and rebuilds the gradient softmax(z) * sum(p) - p from them.
+    logits [B, n, Vd] (bf16 under autocast), target_p [B, n, Vd] float32, target_top, counted [B, n]
+    -> (sum over counted positions of -(p * log_softmax(z)).sum(-1), how many of them have argmax z = target_top).
+    Written as lse(z) * sum(p) - (p * z).sum(-1), so that compiled (as `ttt_loss` runs it on a GPU) the forward
+    is one reduction kernel over the logits and the backward one pointwise kernel, softmax(z) * sum(p) - p, with
+    no float32 copy of the logits kept between them.
     """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
-        lse = torch.logsumexp(z, dim=-1)  # [...]
-        ctx.save_for_backward(logits, target, lse)
-        return lse * target.sum(-1) - (target * z).sum(-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, target, lse = ctx.saved_tensors
-        softmax = torch.exp(logits.to(lse.dtype) - lse[..., None])
-        return ((softmax * target.sum(-1, keepdim=True) - target) * grad[..., None]).to(logits.dtype), None
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32
+    per_position = torch.logsumexp(z, dim=-1) * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, n]
+    correct = (logits.argmax(-1) == target_top) & counted
+    return (per_position * counted).sum(), correct.sum()
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
@@ -337,6 +339,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     mask = loss_mask.bool()
     next_ids = shift_left(input_ids)  # x_{t+1} at t
     hidden = draft.fuse(aux_hidden)
+    loss_kernel = compiled_on_gpu(soft_cross_entropy, hidden.device.type)
     ttt_cache: list = []
     total = hidden.new_zeros((), dtype=torch.float32)
     per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
@@ -348,8 +351,8 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
         counted = masked & in_draft[:, aligned]
         count = counted.sum()
         divisor = count.clamp(min=1) if normaliser is None else normaliser(count)
-        loss_k = (SoftCrossEntropy.apply(logits[:, :n], target_p[:, aligned]) * counted).sum() / divisor
-        correct = ((logits[:, :n].argmax(-1) == target_top[:, aligned]) & counted).sum()
+        summed, correct = loss_kernel(logits[:, :n], target_p[:, aligned], target_top[:, aligned], counted)
+        loss_k = summed / divisor
         total = total + decay**k * loss_k
         per_step.append(torch.stack([loss_k.detach(), correct.float(), count.float(), masked.sum().float()]))
         next_ids = shift_left(next_ids)
