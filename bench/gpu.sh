@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmarks whose results are in bench/results/, with the exact commands. From the repository root:
 #   bench/gpu.sh two-gpus    # on a machine with two GPUs: data-parallel training and the split target
-#   bench/gpu.sh one-gpu     # extraction by length and batch, training at 1K tokens
+#   bench/gpu.sh one-gpu     # extraction by length and batch, training by batch and length
 # SIZE=tiny runs the same commands at the tiny scale (a check of the script; results to $OUT_DIR).
 set -euo pipefail
 size=${SIZE:-8b}
@@ -15,7 +15,7 @@ case ${1:?two-gpus or one-gpu} in
     run "$python" -m eagle3ops.cli bench --size "$size" --parts extract-split --out "$out/h200x2-extract-split.json" ;;
   one-gpu)
     run "$python" -m eagle3ops.cli bench --size "$size" --parts extract --out "$out/h200-extract-scaling.json"
-    run "$python" -m eagle3ops.cli bench --size "$size" --parts train --kernels flex --train-shapes 1x1024 \
-        --out "$out/h200-train-1k.json" ;;
+    run "$python" -m eagle3ops.cli bench --size "$size" --parts train --kernels flex \
+        --train-shapes 1x1024 1x2048 2x2048 4x2048 1x4096 1x8192 1x16384 --out "$out/h200-train-fused.json" ;;
   *) echo "usage: bench/gpu.sh two-gpus|one-gpu" >&2; exit 2 ;;
 esac

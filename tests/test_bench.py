@@ -36,3 +36,11 @@ def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "ours / naive at batch 8 x 256" in table and "split over 0 GPUs" in table
     assert (tmp_path / "tiny-extract.png").stat().st_size > 0 and (tmp_path / "tiny.png").stat().st_size > 0
+
+
+def test_batch_panel_uses_the_length_measured_at_most_batch_sizes():
+    from eagle3ops.benchmark import batch_sweep_length
+
+    shapes = [(1, 1024), (1, 2048), (2, 2048), (4, 2048), (1, 4096), (1, 8192)]
+    assert batch_sweep_length([{"batch": b, "length": n} for b, n in shapes]) == 2048
+    assert batch_sweep_length([{"batch": 1, "length": 512}, {"batch": 1, "length": 256}]) == 256

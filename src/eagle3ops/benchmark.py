@@ -343,9 +343,9 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     losses = []
 
     def step() -> None:
+        optimizer.zero_grad(set_to_none=True)  # before the forward, as the train stage does
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             result = ttt_loss(draft, ids, aux, final, mask, lm_head, ttt_steps)
-        optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
@@ -567,9 +567,15 @@ def render_data_parallel(bench: dict, backend: str) -> list[str]:
             markdown_table(pd.DataFrame(losses), ("d", ".6f", ".6f", ".1e")), ""]
 
 
+def batch_sweep_length(rows: list[dict]) -> int:
+    """The length measured at the most batch sizes (the shortest of equals): the batch panel's length."""
+    batches_at = {n: len({r["batch"] for r in rows if r["length"] == n}) for n in sorted({r["length"] for r in rows})}
+    return max(batches_at, key=batches_at.get, default=0)
+
+
 def plot(results: list[dict], path: Path) -> None:
-    """Training tokens/s as the length grows (batch 1) and as the batch grows (at the base length), one line per
-    kernel, with SpecForge's reference figures where the size is 8b."""
+    """Training tokens/s as the length grows (batch 1) and as the batch grows (at the length measured at the most
+    batch sizes), one line per kernel, with SpecForge's reference figures where the size is 8b."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -581,7 +587,7 @@ def plot(results: list[dict], path: Path) -> None:
     if any(result["size"] == "8b" for result in results):
         series["SpecForge (reference)"] = [{"batch": b, "length": n, "tokens_per_s": v[0]}
                                            for (b, n), v in REFERENCE["specforge_train"].items()]
-    base = min((r["length"] for r in rows), default=0)
+    base = batch_sweep_length(rows)
     for name, points in series.items():
         longs = sorted((r["length"], r["tokens_per_s"]) for r in points if r["batch"] == 1)
         batches = sorted((r["batch"], r["tokens_per_s"]) for r in points if r["length"] == base)

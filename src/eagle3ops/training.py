@@ -255,10 +255,9 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     depth = PADDED_AHEAD if device.type == "cuda" else 0
     for epoch, batch_samples, padded in _padded_ahead(remaining, world, device, depth):
         batch = _to_device(padded, device)
+        optimizer.zero_grad(set_to_none=True)  # now: kept through the forward, they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser)
-        loss = result.loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        result.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
         optimizer.step()
         scheduler.step()
