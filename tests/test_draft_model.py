@@ -1,6 +1,7 @@
 """The draft model: TTT attention against a dense masked reference, the loss, and the checkpoint layout."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -246,3 +247,42 @@ def test_soft_cross_entropy_value_and_gradient():
     torch.testing.assert_close(summed, expected)
     assert int(correct) == int(((logits.argmax(-1) == top) & counted).sum())
     assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, target, top, counted)[0], (logits,))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on a CPU needs a C compiler")
+def test_compiled_blocks_and_loss_give_the_eager_loss_and_gradients():
+    """What a GPU runs compiled (compile_dense_blocks and the fused loss), compiled here by the CPU backend: the
+    same TTT loss and gradients as the eager modules. Guards the rewrites the fusion relies on (the head and the
+    projections as methods, the loss written as lse * sum(p) - p . z)."""
+    import copy
+
+    from eagle3ops.modeling.draft import soft_cross_entropy
+
+    eager = make_draft(heads=2, kv_heads=1)
+    compiled = copy.deepcopy(eager)
+    compiled.compile_dense_blocks()
+    torch.manual_seed(4)
+    B, T = 2, 12
+    ids = torch.randint(0, V, (B, T))
+    aux, final, head = torch.randn(B, T, 3 * H), torch.randn(B, T, H), torch.randn(V, H)
+    mask = (torch.rand(B, T) > 0.3).long()
+    results = []
+    for draft in (eager, compiled):
+        params = [p for p in draft.parameters() if p.requires_grad]
+        result = ttt_loss(draft, ids, aux, final, mask, head, ttt_steps=3, decay=0.8)
+        results.append((result, torch.autograd.grad(result.loss, params)))
+    (plain, plain_grads), (fused, fused_grads) = results
+    assert plain.losses == pytest.approx(fused.losses, rel=1e-5) and plain.accs == fused.accs
+    for a, b in zip(plain_grads, fused_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    logits = torch.randn(B, T, VD, requires_grad=True)
+    target = torch.randn(B, T, VD).softmax(-1)
+    counted = torch.rand(B, T) > 0.3
+    top = target.argmax(-1)
+    expected, got = soft_cross_entropy(logits, target, top, counted), torch.compile(soft_cross_entropy)(
+        logits, target, top, counted)
+    torch.testing.assert_close(got[0], expected[0])
+    assert int(got[1]) == int(expected[1])
+    torch.testing.assert_close(torch.autograd.grad(got[0], logits)[0], torch.autograd.grad(expected[0], logits)[0])
