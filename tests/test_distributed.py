@@ -166,6 +166,32 @@ def test_batches_padded_ahead_by_a_thread_are_those_padded_inline():
             assert padded.keys() == padded_t.keys() and all(torch.equal(padded[k], padded_t[k]) for k in padded)
 
 
+def test_each_step_runs_its_forward_with_the_last_steps_gradients_released():
+    """Gradients held through the forward would add their size (1.7 GB at the 8B shape) to the step's peak."""
+    from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+
+    torch.manual_seed(0)
+    V, H = 24, 16
+    draft = Eagle3Draft(DraftConfig(hidden_size=H, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                    vocab_size=V, draft_vocab_size=V, target_hidden_size=H))
+    draft.t2d.fill_(True)
+    samples = [{"input_ids": torch.randint(0, V, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
+                "aux_hidden": torch.randn(n, 3 * H), "final_hidden": torch.randn(n, H)} for n in (6, 8, 7, 9)]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    held_at_forward = []
+    fuse = draft.fuse
+
+    def fuse_and_record(aux_hidden):
+        if torch.is_grad_enabled():  # a training step (the final evaluation runs without gradients)
+            held_at_forward.append(sum(p.grad is not None for p in params))
+        return fuse(aux_hidden)
+
+    draft.fuse = fuse_and_record
+    train_drafter(draft, samples, [], torch.randn(V, H), DrafterTrainConfig(epochs=2, batch_size=2, ttt_steps=2,
+                                                                            checkpoint_every=0), 0, torch.device("cpu"))
+    assert held_at_forward == [0, 0, 0, 0]
+
+
 def test_a_global_batch_smaller_than_the_world_is_refused():
     with pytest.raises(InputError, match="train.batch_size 2 is the global batch, shared by 4 ranks"):
         train_drafter(None, [], [], torch.zeros(1, 1), DrafterTrainConfig(batch_size=2), 0, torch.device("cpu"),
