@@ -31,7 +31,7 @@ import torch
 
 from eagle3ops import distributed
 from eagle3ops.config import DrafterTrainConfig
-from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, compute_dtype, ttt_loss
 from eagle3ops.training import to_training_device, train_drafter
 
 
@@ -95,7 +95,7 @@ def timed(fn, device: torch.device, repeats: int = 10, warmup: int = 3) -> float
 
 
 def measure_ceilings(device: torch.device, matmul_n: int, disk_dir: Path, disk_bytes: int) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     a, b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype), torch.randn(matmul_n, matmul_n, device=device,
                                                                                     dtype=dtype)
     matmul_s = timed(lambda: a @ b, device)
@@ -192,7 +192,7 @@ def bench_extraction(size: BenchSize, device: torch.device, work_dir: Path, peak
     """The naive pipeline and ours at the base shape, then ours at every shape of the length and batch sweeps,
     each point over the same number of tokens and beside the forward alone at its shape."""
     arch = size.architecture
-    model = build_target(arch, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = build_target(arch, device, compute_dtype(device))
     params = sum(p.numel() for p in model.parameters())
     aux_layers, total_tokens = _aux_layers(arch), size.extract_sequences * size.extract_seq_len
     mfu = lambda tokens_per_s: 2 * params * tokens_per_s / (peak_tflops * 1e12)  # noqa: E731
@@ -332,9 +332,9 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     draft = to_training_device(random_drafter(cfg, seed), device)
     draft.midlayer.self_attn.kernel = kernel
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
-    lm_head = lm_head.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    features = compute_dtype(device)  # as the train stage passes the features and the target's lm_head
+    lm_head = lm_head.to(features)
     ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
-    features = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the train stage passes them
     aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device, dtype=features)
     final = torch.randn(batch, length, cfg.target_hidden_size, device=device, dtype=features)
     mask = torch.ones(batch, length, dtype=torch.long, device=device)

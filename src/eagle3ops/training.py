@@ -25,7 +25,7 @@ from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
 from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.errors import InputError
 from eagle3ops.progress import progress as progress_bar
-from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, TTTResult, ttt_loss
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, TTTResult, compute_dtype, ttt_loss
 from eagle3ops.modeling.target import DTYPES
 
 
@@ -109,9 +109,8 @@ def batches(samples: list, batch_size: int, seed: int, epoch: int) -> list[list]
 
 
 def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None):
-    on_gpu = batch["input_ids"].is_cuda
-    features = torch.bfloat16 if on_gpu else torch.float32  # bf16 as stored: autocast computes in it anyway
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+    features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
         return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].to(features),
                         batch["final_hidden"].to(features), batch["loss_mask"], lm_head, ttt_steps, decay, normaliser)
 

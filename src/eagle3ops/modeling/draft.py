@@ -272,6 +272,12 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """What training computes in: bf16 on a GPU, as autocast runs it and the target produced its states;
+    float32 elsewhere, where bf16 matrix products are slow."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
     """[B, T, ...] -> the same shape, x[:, t + by] at t, zero-padded at the end."""
     return torch.cat([x[:, by:], torch.zeros_like(x[:, :by])], dim=1)
@@ -286,7 +292,7 @@ def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor
     The full-vocabulary logits serve the argmax alone; the softmax needs only the draft rows of lm_head. On a
     GPU both products run in bf16, as the target computes its own logits, and the softmax in fp32.
     """
-    dtype = torch.bfloat16 if final_hidden.is_cuda else torch.float32
+    dtype = compute_dtype(final_hidden.device)
     hidden, weight = final_hidden.to(dtype), lm_head_weight.to(dtype)
     in_draft = t2d[(hidden @ weight.T).argmax(-1)]  # [B, T, V] -> [B, T]
     return (hidden @ weight[t2d].T).float().softmax(-1), in_draft
