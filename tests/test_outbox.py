@@ -2,6 +2,7 @@
 
 Uses a real `mlflow server` on loopback, stopped and started again by the tests.
 """
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,29 @@ def test_server_down_from_the_start(workspace, capsys):
     assert run.data.params["train.lr"] == str(cfg.train.lr)
     assert run.data.tags["mlflow.parentRunId"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "drafter")] == ["drafter/config.json"]
+
+
+def free_port_naming_401() -> int:
+    for port in range(40100, 40200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    pytest.skip("no free port in 40100-40199")
+
+
+def test_a_refused_connection_is_unreachable_even_when_its_port_names_401(tmp_path, monkeypatch, capsys):
+    # The refused connection's message names the port: "401" in it must not read as refused credentials.
+    isolate(monkeypatch, tmp_path, f"http://127.0.0.1:{free_port_naming_401()}")
+    cfg = Config()
+    cfg.mlflow.system_metrics, cfg.mlflow.registered_model = False, None
+    with stage_run(cfg, "eval", variant="scratch") as run:
+        run.log_metrics({"tau": 3.25})
+    err = capsys.readouterr().err
+    assert "MLflow unreachable" in err and "refused the credentials" not in err
+    assert len(pending(tmp_path)) == 1
 
 
 def test_server_goes_down_mid_run(workspace):

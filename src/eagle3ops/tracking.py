@@ -42,6 +42,8 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 UNREACHABLE = (MlflowException, requests.exceptions.RequestException)  # what a down tracking server raises
+# MLflow's error codes for HTTP 401 and 403, whether the server sent them in JSON or as a bare status
+REFUSED_ERROR_CODES = frozenset({"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"})
 PIPELINE_KEY_TAG = "eagle3ops.pipeline_key"
 ROLE_TAG = "eagle3ops.role"  # "pipeline" on the parent, "stage" on children: both carry the pipeline key
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
@@ -295,6 +297,12 @@ def register_drafter(client: MlflowClient, run, name: str, source: str, tau: flo
     return version.version
 
 
+def credentials_refused(error: BaseException) -> bool:
+    """Whether the server answered 401/403, read from MLflow's error code: the message text is no guide, since a
+    refused connection names the port (which may well contain "401")."""
+    return isinstance(error, MlflowException) and error.error_code in REFUSED_ERROR_CODES
+
+
 class StageRun:
     """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts.
 
@@ -318,9 +326,8 @@ class StageRun:
     def go_offline(self, error: BaseException) -> None:
         if self.outbox is None:
             self.outbox = Outbox(self.root, {**self._record, "run_id": self.run_id, "parent_id": self.parent_id})
-            refused = any(code in str(error) for code in ("401", "403", "UNAUTHENTICATED", "PERMISSION_DENIED"))
             what = ("MLflow refused the credentials (check MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
-                    if refused else "MLflow unreachable")
+                    if credentials_refused(error) else "MLflow unreachable")
             print(f"eagle3ops: {what} ({type(error).__name__}: {str(error)[:200]}); recording this run "
                   f"in {self.outbox.dir}; `eagle3ops sync` uploads it later", file=sys.stderr, flush=True)
 
