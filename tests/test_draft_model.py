@@ -286,3 +286,28 @@ def test_compiled_blocks_and_loss_give_the_eager_loss_and_gradients():
     torch.testing.assert_close(got[0], expected[0])
     assert int(got[1]) == int(expected[1])
     torch.testing.assert_close(torch.autograd.grad(got[0], logits)[0], torch.autograd.grad(expected[0], logits)[0])
+
+
+def test_a_drafter_compiled_for_training_decodes_eager_at_any_shape():
+    """The training loop's acceptance probe decodes with the drafter it trains: serving shapes (prompt lengths,
+    tree widths) change call to call and must not compile a graph each, whatever the blocks were compiled for."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    eager = make_draft(heads=2, kv_heads=1)
+    compiled = copy.deepcopy(eager)
+    compiled.compile_dense_blocks()
+    torch.manual_seed(5)
+    compiles_before = counters["stats"]["unique_graphs"]
+    caches = KVCache(), KVCache()
+    position = 0
+    with torch.no_grad():
+        for n in (7, 1, 3, 2):  # a prompt, then draft steps of changing width
+            ids, hidden = torch.randint(0, V, (1, n)), torch.randn(1, n, H)
+            positions = torch.arange(position, position + n)[None]
+            (h_eager, l_eager), (h_compiled, l_compiled) = (
+                draft.step(ids, hidden, positions, kv_cache=cache) for draft, cache in zip((eager, compiled), caches))
+            assert torch.equal(h_eager, h_compiled) and torch.equal(l_eager, l_compiled)
+            position += n
+    assert counters["stats"]["unique_graphs"] == compiles_before

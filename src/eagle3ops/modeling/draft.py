@@ -13,6 +13,7 @@ Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` check
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import asdict, dataclass, field
@@ -248,10 +249,14 @@ class Eagle3Draft(nn.Module):
 
     def step(self, input_ids, hidden, positions, ttt_cache=None, kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward. input_ids [B, T], hidden [B, T, H], positions [B, T]
-        -> (hidden out [B, T, H], draft logits [B, T, Vd])."""
-        cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache, kv_cache)
-        return hidden, self.head(hidden)
+        -> (hidden out [B, T, H], draft logits [B, T, Vd]).
+
+        Serving (`kv_cache`) runs eager even when the blocks are compiled for training: they are compiled per
+        shape, and decoding's shapes (prompt lengths, tree widths) change from call to call."""
+        with torch.compiler.set_stance("force_eager") if kv_cache is not None else contextlib.nullcontext():
+            cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache, kv_cache)
+            return hidden, self.head(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, H] -> draft logits [B, T, Vd]."""
