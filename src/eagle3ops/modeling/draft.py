@@ -108,20 +108,19 @@ def _ttt_block_mask(T: int, steps: int, device: str):
     return create_block_mask(visible, None, None, T, steps * T, device=device)
 
 
-def allow_recompiles() -> None:
-    """One compiled graph per (batch, length, TTT step): lengths are bucketed by the training loop, and the
-    default limit of 8 graphs would silently fall back to the unfused kernels on the second batch shape."""
+def compile_per_shape(fn):
+    """`fn` compiled into fused kernels, one graph per (batch, length, TTT step): lengths are bucketed by the
+    training loop, and the default limit of 8 graphs would silently fall back to the unfused kernels on the
+    second batch shape, so the limit is raised."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+    return torch.compile(fn, dynamic=False)
 
 
 @functools.cache
 def compiled_on_gpu(fn, device_type: str):
-    """`fn` compiled into fused kernels on a GPU; eager elsewhere, where it runs the same math unfused."""
-    if device_type != "cuda":
-        return fn
-    allow_recompiles()
-    return torch.compile(fn, dynamic=False)
+    """`fn` compiled on a GPU; eager elsewhere, where it runs the same math unfused."""
+    return compile_per_shape(fn) if device_type == "cuda" else fn
 
 
 def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -266,12 +265,11 @@ class Eagle3Draft(nn.Module):
         """Compile the blocks around the attention kernel (norms, concatenation, projections with the rotary
         embedding, SwiGLU, residual adds, the head) into fused kernels: on a GPU they are many small
         memory-bound kernels per TTT step otherwise, each writing its float32 intermediates out in full."""
-        allow_recompiles()
         layer = self.midlayer
-        layer.attention_input = torch.compile(layer.attention_input, dynamic=False)
-        layer.self_attn._qkv = torch.compile(layer.self_attn._qkv, dynamic=False)
-        layer.feed_forward = torch.compile(layer.feed_forward, dynamic=False)
-        self.head = torch.compile(self.head, dynamic=False)
+        layer.attention_input = compile_per_shape(layer.attention_input)
+        layer.self_attn._qkv = compile_per_shape(layer.self_attn._qkv)
+        layer.feed_forward = compile_per_shape(layer.feed_forward)
+        self.head = compile_per_shape(self.head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
