@@ -36,16 +36,20 @@ class Server:
         self.process.wait(timeout=60)
 
 
+def quiet_config() -> Config:
+    """The defaults without system metrics or model registration: what these tests upload stays small."""
+    cfg = Config()
+    cfg.mlflow.system_metrics, cfg.mlflow.registered_model = False, None
+    return cfg
+
+
 @pytest.fixture
 def workspace(tmp_path, monkeypatch):
     server = Server(tmp_path, free_port())
     isolate(monkeypatch, tmp_path, server.uri)
     (tmp_path / "drafter").mkdir()
     (tmp_path / "drafter" / "config.json").write_text("{}")
-    cfg = Config()
-    cfg.mlflow.system_metrics = False
-    cfg.mlflow.registered_model = None
-    yield tmp_path, server, cfg
+    yield tmp_path, server, quiet_config()
     if server.process and server.process.poll() is None:
         server.stop()
 
@@ -84,9 +88,7 @@ def free_port_naming_401() -> int:
 def test_a_refused_connection_is_unreachable_even_when_its_port_names_401(tmp_path, monkeypatch, capsys):
     # The refused connection's message names the port: "401" in it must not read as refused credentials.
     isolate(monkeypatch, tmp_path, f"http://127.0.0.1:{free_port_naming_401()}")
-    cfg = Config()
-    cfg.mlflow.system_metrics, cfg.mlflow.registered_model = False, None
-    with stage_run(cfg, "eval", variant="scratch") as run:
+    with stage_run(quiet_config(), "eval", variant="scratch") as run:
         run.log_metrics({"tau": 3.25})
     err = capsys.readouterr().err
     assert "MLflow unreachable" in err and "refused the credentials" not in err
