@@ -20,11 +20,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from eagle3ops import hardware
 from eagle3ops.config import OpenAIEndpointConfig, TinyLlamaConfig
 from eagle3ops.data.conversations import load_conversations, normalise
 from eagle3ops.fs import write_json_atomic
-from eagle3ops.generation_openai import local_transformers_server, regenerate_openai
+from eagle3ops.generation.local_server import local_transformers_server
+from eagle3ops.generation.openai import regenerate_openai
+from eagle3ops.tracking import hardware
 from eagle3ops.zoo import corpus
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -18,21 +18,36 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import TEXTS, isolate
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, T5Config)
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    T5Config,
+)
 from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
+from conftest import TEXTS, isolate
 from eagle3ops.config import TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.formats.specforge import load_drafter
 from eagle3ops.modeling.identity import target_identity
-from eagle3ops.modeling.target import (TargetError, capture, load_embedding_and_head, load_target, model_text_config,
-                                       text_model)
+from eagle3ops.modeling.target import (
+    TargetError,
+    capture,
+    load_embedding_and_head,
+    load_target,
+    model_text_config,
+    text_model,
+)
 from eagle3ops.stages import eval as eval_stage
 from eagle3ops.stages import extract, generate, prepare, train
 

@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import isolate
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from conftest import isolate
 from eagle3ops.cli import main
 from eagle3ops.formats.specforge import CheckpointError, load_into, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
@@ -336,7 +336,7 @@ def test_pickle_with_code_is_never_run(tmp_path, capsys):
 
 
 def test_credentials_stay_out_of_mlflow_params():
-    from eagle3ops.tracking import scrub
+    from eagle3ops.tracking.store import scrub
 
     assert scrub("postgresql://eagle:s3cret@db.local:5432/mlflow") == "postgresql://eagle:***@db.local:5432/mlflow"
     assert scrub("sqlite:////srv/mlflow.db") == "sqlite:////srv/mlflow.db"
@@ -361,7 +361,7 @@ def test_vocab_map_of_the_wrong_dtype(tmp_path):
 def test_hidden_states_that_do_not_fit_are_refused_before_training(tmp_path):
     from eagle3ops.data.shards import ShardWriter
     from eagle3ops.errors import InputError
-    from eagle3ops.training import load_feature_samples
+    from eagle3ops.training.data import load_feature_samples
 
     writer = ShardWriter(tmp_path / "f", 1, meta={"aux_layers": [1, 2, 3], "hidden_size": 32, "dtype": "float32"})
     writer.add("ok", {"input_ids": torch.zeros(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),

@@ -5,7 +5,9 @@ import json
 
 import torch
 
-from eagle3ops.benchmark import SIZES, run_bench, write_result
+from eagle3ops.benchmark.report import write_result
+from eagle3ops.benchmark.run import run_bench
+from eagle3ops.benchmark.sizes import SIZES
 
 
 def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
@@ -39,7 +41,7 @@ def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
 
 
 def test_batch_panel_uses_the_length_measured_at_most_batch_sizes():
-    from eagle3ops.benchmark import batch_sweep_length
+    from eagle3ops.benchmark.report import batch_sweep_length
 
     shapes = [(1, 1024), (1, 2048), (2, 2048), (4, 2048), (1, 4096), (1, 8192)]
     assert batch_sweep_length([{"batch": b, "length": n} for b, n in shapes]) == 2048

@@ -11,7 +11,7 @@ import yaml
 from eagle3ops.config import PROMPT_SET_FORMATS, Config, ConfigError, PromptSetConfig, load_config
 from eagle3ops.data.benchmarks import PARSERS, load_set, load_sets
 from eagle3ops.data.conversations import DatasetError
-from eagle3ops.reporting import markdown, plot_tau_by_set, tau_by_set_table
+from eagle3ops.reporting.summary import markdown, plot_tau_by_set, tau_by_set_table
 from eagle3ops.zoo.corpus import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]

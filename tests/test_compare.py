@@ -8,14 +8,20 @@ from pathlib import Path
 import matplotlib.image
 import pandas as pd
 import pytest
-from conftest import isolate
 from mlflow import MlflowClient
 
+from conftest import isolate
 from eagle3ops.cli import main
-from eagle3ops.compare import against_reference, select_pipelines, side_by_side, speedups, within_runs, write_report
 from eagle3ops.config import Config
-from eagle3ops.tracking import stage_run
-
+from eagle3ops.runs.compare import (
+    against_reference,
+    select_pipelines,
+    side_by_side,
+    speedups,
+    within_runs,
+    write_report,
+)
+from eagle3ops.tracking.run import stage_run
 
 
 def _eval(load: float, decode: float, accepts: tuple[float, ...], spec_tokens_per_s: float) -> dict[str, float]:

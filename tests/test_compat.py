@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from eagle3ops.cli import main
-from eagle3ops.compat import IncompatibleDrafter, check_compat
 from eagle3ops.config import OptimConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage, draft_to_target_ids
 from eagle3ops.formats.specforge import CheckpointError, load_drafter, read_weights, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import load_embedding_and_head
-from eagle3ops.training import continue_moments
-from eagle3ops.warm_start import drafter_sha256, load_warm_start, rehead
+from eagle3ops.training.compat import IncompatibleDrafter, check_compat
+from eagle3ops.training.init import drafter_sha256, load_warm_start, rehead
+from eagle3ops.training.loop import continue_moments
 
 VOCAB, HIDDEN, LAYERS = 302, 32, [1, 2, 3]  # the tiny target of conftest.py: 4 layers, hidden 32
 DATA = Counter({token: 100 - token % 50 for token in range(40, 140)})  # loss-masked token counts of "new data"

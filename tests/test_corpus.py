@@ -13,15 +13,7 @@ from collections import Counter
 
 import pytest
 
-from eagle3ops.zoo.corpus import (
-    FAMILIES,
-    STYLES,
-    Task,
-    make_tasks,
-    render_response,
-    to_conversation,
-    to_prompt_record,
-)
+from eagle3ops.zoo.corpus import FAMILIES, STYLES, Task, make_tasks, render_response, to_conversation, to_prompt_record
 
 TASKS = make_tasks(400, seed=7)
 THINK = re.compile(r"<think>\n(.*?)\n</think>\n", re.DOTALL)

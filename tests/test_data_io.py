@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3ops.data.conversations import content_id, DatasetError, load_conversations
+from eagle3ops.data.conversations import DatasetError, content_id, load_conversations
 from eagle3ops.data.prepare import in_eval_split, read_tokenized, split, tokenize_dataset, write_tokenized
 from eagle3ops.data.shards import MANIFEST, ShardWriter, iter_samples, read_manifest
 from eagle3ops.errors import InputError

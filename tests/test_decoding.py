@@ -9,11 +9,16 @@ from eagle3ops.config import ConfigError, load_config
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.decoding.batching import TargetBatch
 from eagle3ops.decoding.settings import DecodingError, SpecSettings
-from eagle3ops.decoding.speculative import (AcceptanceStats, speculative_generate, speculative_greedy,
-                                            target_generate, target_greedy)
+from eagle3ops.decoding.speculative import (
+    AcceptanceStats,
+    speculative_generate,
+    speculative_greedy,
+    target_generate,
+    target_greedy,
+)
 from eagle3ops.decoding.tree import Candidates, DraftTree
 from eagle3ops.errors import InputError
-from eagle3ops.extraction import extract_features
+from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import TargetError, capture, resolve_aux_layers
 

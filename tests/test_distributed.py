@@ -21,11 +21,12 @@ from eagle3ops.config import ConfigError, DrafterTrainConfig, TargetConfig, load
 from eagle3ops.data.prepare import write_tokenized
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
-from eagle3ops.distributed import World
 from eagle3ops.errors import InputError
-from eagle3ops.extraction import extract_features
+from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.target import TargetError, load_target
-from eagle3ops.training import _padded_ahead, _rank_share, _remaining, train_drafter
+from eagle3ops.training.data import padded_ahead, rank_share, remaining_batches
+from eagle3ops.training.distributed import World
+from eagle3ops.training.loop import train_drafter
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -35,11 +36,11 @@ import json, sys
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
-from eagle3ops import distributed
+from eagle3ops.training import distributed
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.resume import ResumePoint
-from eagle3ops.training import train_drafter
+from eagle3ops.training.loop import train_drafter
 
 V, H = 48, 32
 out = Path(sys.argv[1])
@@ -145,10 +146,10 @@ def test_two_gloo_ranks_train_like_one_process_and_resume(tmp_path, monkeypatch,
 
 def test_each_rank_trains_on_its_own_share_of_the_global_batch():
     batch = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.uint8)} for n in (3, 4, 5, 6, 7)]
-    shares = [_rank_share(batch, World(rank, 2)) for rank in (0, 1)]
+    shares = [rank_share(batch, World(rank, 2)) for rank in (0, 1)]
     assert [[len(s["input_ids"]) for s in share] for share in shares] == [[3, 5, 7], [4, 6]]
     # A last batch shorter than the world: rank 1 runs a sample that counts no position.
-    alone = _rank_share(batch[:1], World(1, 2))
+    alone = rank_share(batch[:1], World(1, 2))
     assert torch.equal(alone[0]["input_ids"], batch[0]["input_ids"]) and not alone[0]["loss_mask"].any()
 
 
@@ -158,7 +159,7 @@ def test_batches_padded_ahead_by_a_thread_are_those_padded_inline():
     samples = [{"input_ids": torch.randint(0, 50, (n,), generator=generator), "loss_mask": torch.ones(n, dtype=torch.uint8)}
                for n in (3, 9, 4, 7, 5, 8, 6)]
     for world in (World(), World(1, 2)):
-        inline, threaded = (list(_padded_ahead(_remaining(samples, 3, 0, 1, 6, 2), world, torch.device("cpu"), depth))
+        inline, threaded = (list(padded_ahead(remaining_batches(samples, 3, 0, 1, 6, 2), world, torch.device("cpu"), depth))
                             for depth in (0, 2))
         assert len(threaded) == len(inline) == 5  # steps 1..5 of 2 epochs of 3 batches (the last one short)
         for (epoch, batch, padded), (epoch_t, batch_t, padded_t) in zip(inline, threaded):

@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from eagle3ops.formats.specforge import load_drafter, read_weights, save_drafter
-from eagle3ops.modeling.draft import (DraftConfig, Eagle3Draft, KVCache, rotary, shift_left, target_distribution,
-                                      ttt_loss)
+from eagle3ops.modeling.draft import (
+    DraftConfig,
+    Eagle3Draft,
+    KVCache,
+    rotary,
+    shift_left,
+    target_distribution,
+    ttt_loss,
+)
 
 V, VD, H = 40, 16, 32
 

@@ -5,7 +5,6 @@ import re
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 
 import pytest
 

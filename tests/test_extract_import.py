@@ -14,17 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import isolate
 from safetensors.torch import save_file
 
+from conftest import isolate
 from eagle3ops.config import ConfigError, TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized, split, write_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest
-from eagle3ops.extraction import NonFiniteError, extract_features
-from eagle3ops.extraction_import import (PeerFormatError, checkpoint_size, import_features, open_source, plan_import,
-                                         target_layout)
+from eagle3ops.extraction.hf import NonFiniteError, extract_features
+from eagle3ops.extraction.imported import (
+    PeerFormatError,
+    checkpoint_size,
+    import_features,
+    open_source,
+    plan_import,
+    target_layout,
+)
 from eagle3ops.modeling.target import decoder_layers, load_target, model_size
-from eagle3ops.training import load_feature_samples
+from eagle3ops.training.data import load_feature_samples
 
 AUX = [3, 1, 2]  # HF indices, deliberately not low to high: the engines store them low to high
 SPLITS = ("train", "eval")

@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 
 import pytest
-from conftest import isolate, loopback_server
 from omegaconf import OmegaConf
 
+from conftest import isolate, loopback_server
 from eagle3ops.config import ConfigError, OpenAIEndpointConfig, load_config
 from eagle3ops.errors import InputError
-from eagle3ops.generation_openai import (EndpointError, EndpointUnavailable, ResumeLog, free_port,
-                                         local_transformers_server, regenerate_openai, with_reasoning)
+from eagle3ops.generation.local_server import free_port, local_transformers_server
+from eagle3ops.generation.openai import EndpointError, EndpointUnavailable, ResumeLog, regenerate_openai, with_reasoning
 
 ORIGINAL = "ORIGINAL ANSWER " * 12  # far longer than any regenerated turn: a prompt carrying it shows
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 
-from eagle3ops.hardware import fingerprint, label
+from eagle3ops.tracking.hardware import fingerprint, label
 
 KEYS = {
     "accelerator", "gpu_count", "gpu_models", "gpu_memory_gib", "gpu_link", "cpu_model", "cpu_logical_cores",

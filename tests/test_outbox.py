@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import isolate, wait_for_http
 from mlflow import MlflowClient
 
+from conftest import isolate, wait_for_http
 from eagle3ops.cli import main
 from eagle3ops.config import Config
-from eagle3ops.generation_openai import free_port
-from eagle3ops.outbox import pending
-from eagle3ops.tracking import stage_run
+from eagle3ops.generation.local_server import free_port
+from eagle3ops.tracking.outbox import pending
+from eagle3ops.tracking.run import stage_run
 
 
 class Server:

@@ -12,7 +12,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import micro_pipeline_repo, ran_stages, run, write_params
-from eagle3ops.runs import find_pipelines
+from eagle3ops.runs.records import find_pipelines
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]

@@ -25,7 +25,7 @@ from eagle3ops.formats.specforge import to_hf_config
 from eagle3ops.modeling.identity import downloaded_revision, identity_params, target_identity
 from eagle3ops.modeling.target import TargetError, load_text_config, resolve_aux_layers
 from eagle3ops.presets import PresetError, apply_preset, architecture, load_preset, preset_names
-from eagle3ops.training import new_drafter
+from eagle3ops.training.init import new_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ["deepseek-v3", "kimi-k2.5", "llama-3.1-8b-instruct", "qwen3-8b"]

@@ -11,16 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import isolate
 import yaml
 from mlflow import MlflowClient
 
+from conftest import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import Config
-from eagle3ops.projection import (Profile, ProjectionError, check_against, fetch_pipeline, load_profile, project,
-                                  read_target_shape, render, shipped_profiles)
-from eagle3ops.tracking import stage_run
-
+from eagle3ops.runs.projection import (
+    Profile,
+    ProjectionError,
+    check_against,
+    fetch_pipeline,
+    load_profile,
+    project,
+    read_target_shape,
+    render,
+    shipped_profiles,
+)
+from eagle3ops.tracking.run import stage_run
 
 PILOT_PROFILE = {
     "name": "pilot", "gpu": "Test GPU", "gpu_count": 1, "bf16_tflops": 100, "hbm_tb_s": 1, "interconnect_gb_s": None,

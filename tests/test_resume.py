@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.resume import ResumePoint
-from eagle3ops.training import train_drafter
+from eagle3ops.training.loop import train_drafter
 
 out, resume_path = Path(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)

@@ -5,12 +5,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
-from eagle3ops.data.shards import iter_samples
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate
-from eagle3ops.extraction import extract_features
-from eagle3ops.simulation import AcceptanceSimulator, held_out_prompts
-from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
+from eagle3ops.extraction.hf import extract_features
+from eagle3ops.training.data import load_feature_samples
+from eagle3ops.training.init import new_drafter
+from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 V, H = 48, 32
 

@@ -11,8 +11,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from eagle3ops.config import Config
-from eagle3ops.reporting import mlflow_ui_hint
-from eagle3ops.tracking import stage_run, tracking_uri
+from eagle3ops.reporting.summary import mlflow_ui_hint
+from eagle3ops.tracking.run import stage_run
+from eagle3ops.tracking.store import tracking_uri
 
 ENV = ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID")
 

@@ -24,14 +24,14 @@ import psycopg2
 import pytest
 import requests
 import yaml
-from conftest import commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 
+from conftest import commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.cli import main, parser
 from eagle3ops.config import Config
-from eagle3ops.generation_openai import free_port
-from eagle3ops.outbox import pending
-from eagle3ops.tracking import stage_run
-from eagle3ops.tracking_server import server_command
+from eagle3ops.generation.local_server import free_port
+from eagle3ops.tracking.outbox import pending
+from eagle3ops.tracking.run import stage_run
+from eagle3ops.tracking.server import server_command
 
 DB_ROLE, DB_NAME = "eagle3ops", "mlflow"
 USER = "alice"

@@ -11,8 +11,16 @@ import logging
 import sys
 from pathlib import Path
 
-from eagle3ops.config import (DTYPES, EVAL_DRAFTERS, EXPORT_FORMATS, TRAIN_INITS, Config, ConfigError, TrainConfig,
-                              load_config)
+from eagle3ops.config import (
+    DTYPES,
+    EVAL_DRAFTERS,
+    EXPORT_FORMATS,
+    TRAIN_INITS,
+    Config,
+    ConfigError,
+    TrainConfig,
+    load_config,
+)
 from eagle3ops.errors import InputError
 
 STAGES = {
@@ -97,9 +105,9 @@ def parser() -> argparse.ArgumentParser:
     _store_options(compare)
     project = commands.add_parser(
         "project", help="project a pilot pipeline run's phase times and cost to N samples on other hardware",
-        description="From a measured pilot pipeline run and hardware profiles (YAML, see eagle3ops/profiles/), "
+        description="From a measured pilot pipeline run and hardware profiles (YAML, see eagle3ops/runs/profiles/), "
                     "project each phase's wall time and the cost of a run of N samples on each target profile. "
-                    "The model is documented in eagle3ops.projection.")
+                    "The model is documented in eagle3ops.runs.projection.")
     project.add_argument("--run", required=True, metavar="RUN_ID", help="the measured pilot pipeline (parent) run id")
     project.add_argument("--samples", required=True, type=int, metavar="N", help="samples of the projected run")
     project.add_argument("--from", dest="from_profile", metavar="PROFILE",
@@ -183,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--target", required=True, metavar="TARGET_DIR", help="the target model directory")
     validate.add_argument("--format", choices=EXPORT_FORMATS, help="the layout it must have (default: as found)")
     validate.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    from eagle3ops.tracking_server import DESCRIPTION, add_arguments
+    from eagle3ops.tracking.server import DESCRIPTION, add_arguments
 
     add_arguments(commands.add_parser(
         "tracking-server", help="start the team's MLflow server: PostgreSQL, served artifacts, basic auth",
@@ -194,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
 def _store_uri(args) -> str:
     """--tracking-uri, else the store the stages use ($MLFLOW_TRACKING_URI, the params' mlflow.tracking_uri,
     mlflow.db in the repository)."""
-    from eagle3ops.tracking import tracking_uri
+    from eagle3ops.tracking.store import tracking_uri
 
     if args.tracking_uri:
         return args.tracking_uri
@@ -203,7 +211,7 @@ def _store_uri(args) -> str:
 
 
 def _sync(args) -> int:
-    from eagle3ops.outbox import pending, sync
+    from eagle3ops.tracking.outbox import pending, sync
 
     uri = _store_uri(args)
     uploaded = sync(uri, Path.cwd())
@@ -214,7 +222,7 @@ def _sync(args) -> int:
 def _reproduce(args) -> int:
     from mlflow import MlflowClient
 
-    from eagle3ops.reproduce import as_json, reproduce, summary
+    from eagle3ops.runs.reproduce import as_json, reproduce, summary
 
     uri = _store_uri(args)
     result = reproduce(MlflowClient(uri), args.run_id, Path.cwd(), uri, keep=args.keep)
@@ -225,7 +233,7 @@ def _reproduce(args) -> int:
 
 
 def _compare(args) -> int:  # reads MLflow only; pandas and matplotlib load only here
-    from eagle3ops.compare import command
+    from eagle3ops.runs.compare import command
 
     return command(args)
 
@@ -233,7 +241,7 @@ def _compare(args) -> int:  # reads MLflow only; pandas and matplotlib load only
 def _project(args) -> int:
     from mlflow import MlflowClient
 
-    from eagle3ops.projection import project_runs, render
+    from eagle3ops.runs.projection import project_runs, render
 
     text = render(project_runs(MlflowClient(_store_uri(args)), args.run, args.samples, args.to, args.from_profile,
                                args.measured))
@@ -251,9 +259,11 @@ def _batch_by_length(text: str) -> tuple[int, int]:
 
 
 def _bench(args) -> int:
-    from eagle3ops.benchmark import render, run_bench, run_data_parallel_bench, write_result
-    from eagle3ops.distributed import launched_world
+    from eagle3ops.benchmark.report import render, write_result
+    from eagle3ops.benchmark.run import run_bench
+    from eagle3ops.benchmark.training import run_data_parallel_bench
     from eagle3ops.modeling.target import resolve_device
+    from eagle3ops.training.distributed import launched_world
 
     world = launched_world().size
     if world > 1:  # under torchrun: data-parallel training, against one rank alone
@@ -273,8 +283,8 @@ def _bench(args) -> int:
 
 
 def _check_compat(args) -> int:
-    from eagle3ops.compat import EXIT_CODES, check_compat
     from eagle3ops.data.prepare import masked_token_counts
+    from eagle3ops.training.compat import EXIT_CODES, check_compat
 
     counts = None
     if args.data and Path(args.data).is_dir():
@@ -350,7 +360,7 @@ def _validate_export(args) -> int:
 
 
 def _tracking_server(args) -> int:
-    from eagle3ops.tracking_server import serve
+    from eagle3ops.tracking.server import serve
 
     serve(args)  # becomes `mlflow server`: returns only by raising
 

@@ -166,14 +166,14 @@ class ExtractConfig:
     samples_per_shard: int = 512
     dtype: str = "float32"
     max_nonfinite_fraction: float = 0.01  # samples with NaN/inf states are skipped; above this share, fail
-    backend: str = "hf"  # hf: run the target here; import: take a serving engine's output (extraction_import.py)
+    backend: str = "hf"  # hf: run the target here; import: take a serving engine's output (extraction/imported.py)
     import_dir: Optional[str] = None  # backend import: the speculators / SpecForge output directory
     import_format: Optional[str] = None  # speculators | specforge; null = detect from the file names
 
 
 @dataclass
 class SimulateConfig:
-    """The acceptance simulator during training (simulation.py): greedy chain speculative decoding of the
+    """The acceptance simulator during training (training/simulation.py): greedy chain speculative decoding of the
     drafter being trained, on the first `prompts` held-out prompts, every `every` steps and at the end."""
     every: int = 0  # optimizer steps between measurements; 0 = off (it loads the whole target beside training)
     prompts: int = 8

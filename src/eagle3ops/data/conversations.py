@@ -89,4 +89,3 @@ def load_conversations(path: str | Path) -> list[dict]:
     if not records:
         raise DatasetError(f"{path}: no records")
     return records
-

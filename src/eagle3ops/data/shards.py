@@ -10,14 +10,14 @@ directory that looks complete.
 """
 from __future__ import annotations
 
-import hashlib
 import errno
+import hashlib
 import json
 import os
 import shutil
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 

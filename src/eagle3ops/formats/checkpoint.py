@@ -23,8 +23,16 @@ import torch
 from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.formats.conventions import rope_settings
 from eagle3ops.formats.eagle import WEIGHTS_BIN, read_bin
-from eagle3ops.formats.specforge import (TRAINING_STATE, WEIGHTS, CheckpointError, from_hf_config, load_drafter,
-                                         new_with_embedding, read_weights, write_checkpoint)
+from eagle3ops.formats.specforge import (
+    TRAINING_STATE,
+    WEIGHTS,
+    CheckpointError,
+    from_hf_config,
+    load_drafter,
+    new_with_embedding,
+    read_weights,
+    write_checkpoint,
+)
 from eagle3ops.formats.speculators import from_speculators_config, from_speculators_names
 from eagle3ops.fs import atomic_dir
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft

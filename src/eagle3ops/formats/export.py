@@ -26,8 +26,7 @@ from eagle3ops.formats.checkpoint import read_drafter, read_json
 from eagle3ops.formats.conventions import CONVENTIONS, from_hf
 from eagle3ops.formats.specforge import WEIGHTS, CheckpointError, dtype_name, write_checkpoint
 from eagle3ops.formats.speculators import to_speculators_config, to_speculators_names
-from eagle3ops.formats.validate import (EXPORT_RECORD, LAYOUT_CONVENTION, ExportReport, target_config,
-                                        validate_export)
+from eagle3ops.formats.validate import EXPORT_RECORD, LAYOUT_CONVENTION, ExportReport, target_config, validate_export
 from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import DTYPES as TORCH_DTYPES

@@ -160,4 +160,3 @@ def new_with_embedding(cfg: DraftConfig, embedding: torch.Tensor, directory: str
     draft = Eagle3Draft(cfg)
     draft.embed_tokens.weight.data.copy_(embedding)
     return draft
-

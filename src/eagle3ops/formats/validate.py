@@ -15,8 +15,14 @@ from pathlib import Path
 import torch
 
 from eagle3ops.formats import specforge, speculators
-from eagle3ops.formats.checkpoint import (LAYOUTS, DrafterCheckpoint, RawCheckpoint, drafter_from_raw, read_json,
-                                          read_raw)
+from eagle3ops.formats.checkpoint import (
+    LAYOUTS,
+    DrafterCheckpoint,
+    RawCheckpoint,
+    drafter_from_raw,
+    read_json,
+    read_raw,
+)
 from eagle3ops.formats.conventions import CONVENTIONS, rope_settings, to_hf
 from eagle3ops.formats.specforge import CheckpointError
 from eagle3ops.modeling.target import TargetError, check_model_dir, default_aux_layers, text_config

@@ -19,8 +19,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
-                          PretrainedConfig, PreTrainedModel)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from eagle3ops.config import TargetConfig
 from eagle3ops.data.chat import use_chat_template
@@ -201,7 +207,7 @@ def capture(model: PreTrainedModel, aux_layers: list[int]):
         hooks.remove()
 
 
-def _weight_locations(path: Path) -> dict[str, str]:
+def weight_locations(path: Path) -> dict[str, str]:
     """{tensor name: safetensors file}, from the shard index of a sharded checkpoint or the single file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -234,7 +240,7 @@ def load_embedding_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tenso
     Training needs only these two matrices, so a 1 TB target is never loaded for it.
     """
     path = check_model_dir(path)
-    locations = _weight_locations(path)
+    locations = weight_locations(path)
     config = json.loads((path / "config.json").read_text())
     tied = config.get("tie_word_embeddings", False) or text_config(path).get("tie_word_embeddings", False)
 

@@ -5,8 +5,8 @@ from pathlib import Path
 from eagle3ops.config import Config
 from eagle3ops.formats.export import export_drafter, serving_guide
 from eagle3ops.fs import atomic_dir
-from eagle3ops.metrics import record
-from eagle3ops.tracking import stage_run
+from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.run import stage_run
 
 
 def run(cfg: Config) -> None:

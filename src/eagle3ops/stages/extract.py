@@ -1,7 +1,7 @@
 """Stage `extract`: the drafter's inputs for the prepared samples, in shards.
 
-extract.backend hf runs the target over the prepared samples (extraction.py); import takes the hidden states a
-serving engine extracted with speculators or SpecForge (extraction_import.py). Both write the same shards.
+extract.backend hf runs the target over the prepared samples (extraction/hf.py); import takes the hidden states a
+serving engine extracted with speculators or SpecForge (extraction/imported.py). Both write the same shards.
 
 Resumable: shards are built under `.eagle3ops/resume/` (keyed by params and input md5s, see resume.py); a run
 killed midway keeps its complete shards and the next run continues after them. The finished directory is
@@ -14,13 +14,13 @@ from pathlib import Path
 from eagle3ops.config import Config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import MANIFEST, read_manifest
-from eagle3ops.extraction import ExtractResult, extract_features
-from eagle3ops.extraction_import import checkpoint_size, import_features, open_source, plan_import, target_layout
-from eagle3ops.metrics import record
+from eagle3ops.extraction.hf import ExtractResult, extract_features
+from eagle3ops.extraction.imported import checkpoint_size, import_features, open_source, plan_import, target_layout
 from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_target, model_size, model_text_config, resolve_aux_layers
 from eagle3ops.resume import resume_point
-from eagle3ops.tracking import params_digest, stage_run
+from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.run import params_digest, stage_run
 
 SPLITS = ("train", "eval")
 

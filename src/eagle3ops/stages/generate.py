@@ -5,7 +5,7 @@ Resumable, under `.eagle3ops/resume/generate-<key>/` (the key hashes what determ
 - hf: conversations are regenerated in fixed chunks of `generate.chunk_size`, each written whole; a run killed
   midway keeps the finished chunks, and since a chunk's batches never depend on what ran before, the result
   equals an uninterrupted run.
-- openai: each finished conversation is appended to `openai.jsonl` (generation_openai.py) and never sent again.
+- openai: each finished conversation is appended to `openai.jsonl` (generation/openai.py) and never sent again.
   The key covers the conversations themselves, the generation settings and the target's identity, not the
   server's address or concurrency: a run restarted against another replica, or with fewer requests in flight,
   picks up where the last one stopped.
@@ -19,14 +19,14 @@ from pathlib import Path
 from eagle3ops.config import Config
 from eagle3ops.data.conversations import load_conversations, read_jsonl
 from eagle3ops.fs import write_json_atomic, write_jsonl_atomic
-from eagle3ops.generation import GenerateStats, regenerate
-from eagle3ops.generation_openai import regenerate_openai
-from eagle3ops.metrics import record
+from eagle3ops.generation.hf import GenerateStats, regenerate
+from eagle3ops.generation.openai import regenerate_openai
 from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.resume import resume_point
-from eagle3ops.tracking import params_digest, stage_run
+from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.run import params_digest, stage_run
 
 
 def run(cfg: Config) -> None:

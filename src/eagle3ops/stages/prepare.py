@@ -8,10 +8,10 @@ from eagle3ops.data.conversations import load_conversations
 from eagle3ops.data.prepare import split, tokenize_dataset, write_tokenized
 from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, coverage
 from eagle3ops.fs import atomic_dir
-from eagle3ops.metrics import record
 from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_tokenizer
-from eagle3ops.tracking import stage_run
+from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.run import stage_run
 
 VOCAB_MAP = "vocab_map.safetensors"
 

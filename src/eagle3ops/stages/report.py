@@ -7,9 +7,10 @@ import pandas as pd
 
 from eagle3ops.config import TRAIN_INITS, Config
 from eagle3ops.fs import atomic_dir
-from eagle3ops.metrics import PLOTS_DIR, read_all
-from eagle3ops.reporting import acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
-from eagle3ops.tracking import scrub, stage_run, tracking_uri
+from eagle3ops.reporting.summary import acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
+from eagle3ops.tracking.metrics import PLOTS_DIR, read_all
+from eagle3ops.tracking.run import stage_run
+from eagle3ops.tracking.store import scrub, tracking_uri
 
 
 def run(cfg: Config) -> None:

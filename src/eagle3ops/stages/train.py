@@ -1,6 +1,6 @@
 """Stage `train@<init>`: train the drafter from scratch, or fine-tune an existing one (warm start).
 
-Under torchrun every rank runs this stage on its share of each global batch (distributed.py); rank 0 alone logs
+Under torchrun every rank runs this stage on its share of each global batch (training/distributed.py); rank 0 alone logs
 to MLflow and writes the resume points, the drafter, metrics and plots.
 """
 import tempfile
@@ -10,24 +10,30 @@ from pathlib import Path
 import pandas as pd
 from safetensors.torch import load_file
 
-from eagle3ops import distributed
 from eagle3ops.config import Config
 from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
-from eagle3ops.formats.specforge import save_drafter
-from eagle3ops.fs import atomic_dir, write_json_atomic
-from eagle3ops.metrics import PLOTS_DIR, record
-from eagle3ops.modeling.identity import identity_params
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.errors import InputError
-from eagle3ops.modeling.target import (load_embedding_and_head, load_target, load_text_config, load_tokenizer,
-                                       resolve_device)
-from eagle3ops.stages.prepare import VOCAB_MAP
+from eagle3ops.formats.specforge import save_drafter
+from eagle3ops.fs import atomic_dir, write_json_atomic
+from eagle3ops.modeling.identity import identity_params
+from eagle3ops.modeling.target import (
+    load_embedding_and_head,
+    load_target,
+    load_text_config,
+    load_tokenizer,
+    resolve_device,
+)
 from eagle3ops.resume import resume_point
-from eagle3ops.simulation import AcceptanceSimulator, held_out_prompts
-from eagle3ops.tracking import params_digest, stage_run
-from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
-from eagle3ops.warm_start import WarmStart, load_warm_start
+from eagle3ops.stages.prepare import VOCAB_MAP
+from eagle3ops.tracking.metrics import PLOTS_DIR, record
+from eagle3ops.tracking.run import params_digest, stage_run
+from eagle3ops.training import distributed
+from eagle3ops.training.data import load_feature_samples
+from eagle3ops.training.init import WarmStart, load_warm_start, new_drafter
+from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 
 def run(cfg: Config, init: str) -> None:

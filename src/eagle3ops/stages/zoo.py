@@ -1,7 +1,7 @@
 """Stage `zoo`: build the embedded default (tokenizer, two tiny targets, the predecessor's drafter, datasets)."""
 from eagle3ops.config import Config
-from eagle3ops.metrics import record
-from eagle3ops.tracking import stage_run
+from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.run import stage_run
 from eagle3ops.zoo.build import build_zoo
 
 

@@ -19,18 +19,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from eagle3ops.config import Config, TargetConfig
 from eagle3ops.data.chat import render
 from eagle3ops.data.conversations import normalise
 from eagle3ops.data.prepare import tokenize_dataset
 from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
-from eagle3ops.extraction import extract_features
+from eagle3ops.extraction.hf import extract_features
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.fs import write_jsonl_atomic
 from eagle3ops.modeling.target import default_aux_layers, load_embedding_and_head, load_target
-from eagle3ops.training import load_feature_samples, new_drafter, train_drafter
+from eagle3ops.training.data import load_feature_samples
+from eagle3ops.training.init import new_drafter
+from eagle3ops.training.loop import train_drafter
 from eagle3ops.zoo import corpus
 from eagle3ops.zoo.targets import build_llama, save_target, train_lm
 from eagle3ops.zoo.tokenizer import train_tokenizer

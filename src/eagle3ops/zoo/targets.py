@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from eagle3ops.progress import progress
 from eagle3ops.config import LMTrainConfig, TinyLlamaConfig
-from eagle3ops.training import batches, pad_batch, seed_everything, warmup_cosine
+from eagle3ops.progress import progress
+from eagle3ops.training.data import batches, pad_batch
+from eagle3ops.training.loop import seed_everything, warmup_cosine
 
 
 def build_llama(shape: TinyLlamaConfig, tokenizer, seed: int) -> LlamaForCausalLM:

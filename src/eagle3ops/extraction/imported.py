@@ -42,10 +42,10 @@ from eagle3ops.config import TargetConfig
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
-from eagle3ops.extraction import ExtractResult, NonFiniteError
+from eagle3ops.extraction.hf import ExtractResult, NonFiniteError
 from eagle3ops.formats.conventions import from_hf
 from eagle3ops.fs import write_json_atomic
-from eagle3ops.modeling.target import DTYPES, TargetError, _weight_locations, resolve_aux_layers, text_config
+from eagle3ops.modeling.target import DTYPES, TargetError, resolve_aux_layers, text_config, weight_locations
 from eagle3ops.progress import progress
 
 SPLITS = ("train", "eval")
@@ -84,7 +84,7 @@ def checkpoint_size(path: str | Path) -> dict[str, int]:
     the projection scales by them, and this backend never loads the target."""
     path = Path(path)
     params = size = 0
-    for name in sorted(set(_weight_locations(path).values())):
+    for name in sorted(set(weight_locations(path).values())):
         with (path / name).open("rb") as handle:
             header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
         for key, entry in header.items():
@@ -100,7 +100,7 @@ FINAL_NORM = re.compile(r"(?:[\w.]*\.)?(?:model|language_model)\.norm\.weight")
 def final_norm_weight(path: Path) -> torch.Tensor:
     """The target's final norm weight [H]: `model.norm.weight`, or a wrapper's `language_model.model.norm.weight`
     (Kimi-K2.5) / `model.language_model.norm.weight`."""
-    locations = _weight_locations(path)
+    locations = weight_locations(path)
     names = sorted((n for n in locations if FINAL_NORM.fullmatch(n)), key=len)
     if not names:
         raise TargetError(f"{path}: no '*model.norm.weight' tensor in the checkpoint; the final norm is needed to "

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from mlflow import MlflowClient
 
-from eagle3ops.tracking import CACHED_FROM_TAG, PIPELINE_KEY_TAG, ROLE_TAG
+from eagle3ops.tracking.lineage import CACHED_FROM_TAG
+from eagle3ops.tracking.store import PIPELINE_KEY_TAG, ROLE_TAG
 
 
 @dataclass

@@ -3,7 +3,7 @@
 AdamW, linear warmup then cosine decay, gradient clipping, the TTT loss of modeling/draft.py. Batches are
 right-padded (causal attention never looks right, and padded positions carry loss_mask 0), shuffled per epoch
 by a generator seeded from (seed, epoch), so a run resumed from its training state sees the same batches.
-Under torchrun the ranks share each global batch (distributed.py); the result is the single process's.
+Under torchrun the ranks share each global batch (training/distributed.py); the result is the single process's.
 """
 from __future__ import annotations
 
@@ -11,22 +11,19 @@ import functools
 import math
 import random
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from eagle3ops import distributed
-from eagle3ops.distributed import World
-from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
-from eagle3ops.data.shards import iter_samples, read_manifest
+from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.errors import InputError
+from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, ttt_loss
 from eagle3ops.progress import progress as progress_bar
-from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, TTTResult, compute_dtype, ttt_loss
-from eagle3ops.modeling.target import DTYPES
+from eagle3ops.training import distributed
+from eagle3ops.training.data import PADDED_AHEAD, pad_batch, padded_ahead, remaining_batches, to_device
+from eagle3ops.training.distributed import World
 
 
 def seed_everything(seed: int) -> None:
@@ -47,67 +44,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-GPU_LENGTH_BUCKET = 256  # compiled kernels exist per length: bucket lengths so few are built
-
-
-def pad_batch(samples: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad ragged samples ({name: [T_i, ...]}) to [B, T_max, ...] on `device`; on a GPU T_max is rounded up
-    to a multiple of GPU_LENGTH_BUCKET. Padding changes nothing: causal attention never looks right, and padded
-    positions carry loss_mask 0."""
-    return _to_device(_pad_on_host(samples, device), device)
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
-
-
-def _pad_on_host(samples: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
-    """pad_batch's host side, in pinned memory when the batch goes to a GPU (its copy then does not block)."""
-    length = max(s["input_ids"].shape[0] for s in samples)
-    if device.type == "cuda":
-        length = math.ceil(length / GPU_LENGTH_BUCKET) * GPU_LENGTH_BUCKET
-    batch = {}
-    for name in samples[0]:
-        first = samples[0][name]
-        out = torch.zeros((len(samples), length, *first.shape[1:]), dtype=first.dtype, pin_memory=device.type == "cuda")
-        for row, sample in enumerate(samples):
-            out[row, : sample[name].shape[0]] = sample[name]
-        batch[name] = out
-    return batch
-
-
-PADDED_AHEAD = 2  # batches a thread pads ahead for a GPU; none on a CPU, where its ops would fight the step's
-# for the same cores (2x slower)
-
-
-def _padded_ahead(items: Iterator[tuple[int, list]], world: World, device: torch.device, depth: int
-                  ) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
-    """(epoch, global batch, this rank's share padded on the host), in order. With `depth` > 0 a thread pads
-    that many batches ahead: the device does not wait for the CPU to assemble the next batch (hundreds of MB of
-    hidden states at real sizes)."""
-    def pad(batch: list) -> dict[str, torch.Tensor]:
-        return _pad_on_host(_rank_share(batch, world), device)
-
-    if depth == 0:
-        yield from ((epoch, batch, pad(batch)) for epoch, batch in items)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="batch-padding") as pool:
-        ahead: deque = deque()
-        for epoch, batch in items:
-            ahead.append((epoch, batch, pool.submit(pad, batch)))
-            if len(ahead) > depth:
-                epoch, batch, padded = ahead.popleft()
-                yield epoch, batch, padded.result()
-        while ahead:
-            epoch, batch, padded = ahead.popleft()
-            yield epoch, batch, padded.result()
-
-
-def batches(samples: list, batch_size: int, seed: int, epoch: int) -> list[list]:
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    return [[samples[i] for i in order[start : start + batch_size]] for start in range(0, len(order), batch_size)]
-
-
 def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None):
     features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
@@ -125,14 +61,6 @@ class _TTTObjective(torch.nn.Module):
 
     def forward(self, batch, lm_head, ttt_steps, decay, normaliser) -> TTTResult:
         return _batch_loss(self.draft, batch, lm_head, ttt_steps, decay, normaliser)
-
-
-def _rank_share(batch: list, world: World) -> list:
-    """This rank's samples of a global batch. A rank left without any (a last batch shorter than the world)
-    runs the first sample with its loss mask cleared: it counts no position and adds zero gradients, but
-    takes part in the step's collectives."""
-    mine = distributed.share(batch, world)
-    return mine or [{**batch[0], "loss_mask": torch.zeros_like(batch[0]["loss_mask"])}]
 
 
 def _global_metrics(result: TTTResult, world: World, device: torch.device) -> tuple[float, list[float], list[float]]:
@@ -208,7 +136,7 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
     as `state`, it resumes the run exactly where it was: same batches, same optimizer and scheduler state, same
     RNG, so the final weights equal those of an uninterrupted run.
 
-    Over several ranks (`world`: the joined process group's by default, distributed.py) every rank walks the
+    Over several ranks (`world`: the joined process group's by default, training/distributed.py) every rank walks the
     same global batches of `optim.batch_size` samples and trains on its share; DDP averages the gradients,
     and each TTT step's loss is normalised by the positions counted over the whole global batch, so losses,
     optimizer steps and weights are those of one process with that batch size, up to float rounding. Every
@@ -250,10 +178,10 @@ def train_drafter(draft: Eagle3Draft, train_samples: list, eval_samples: list, l
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
     start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
     progress = progress_bar(total_steps, desc, "step", initial=step) if world.main else tqdm(disable=True)
-    remaining = _remaining(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs)
+    remaining = remaining_batches(train_samples, optim.batch_size, seed, step, total_steps, optim.epochs)
     depth = PADDED_AHEAD if device.type == "cuda" else 0
-    for epoch, batch_samples, padded in _padded_ahead(remaining, world, device, depth):
-        batch = _to_device(padded, device)
+    for epoch, batch_samples, padded in padded_ahead(remaining, world, device, depth):
+        batch = to_device(padded, device)
         optimizer.zero_grad(set_to_none=True)  # now: kept through the forward, they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser)
         result.loss.backward()
@@ -319,71 +247,3 @@ def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     for group, own in zip(optimizer.param_groups, settings):
         group.pop("initial_lr", None)
         group.update(own)
-
-
-def _remaining(samples, batch_size, seed, done_steps, total_steps, epochs) -> Iterator[tuple[int, list]]:
-    """(epoch, batch) pairs from global step `done_steps` to `total_steps`, in the order a fresh run would see."""
-    step = 0
-    for epoch in range(epochs):
-        for batch in batches(samples, batch_size, seed, epoch):
-            if step >= total_steps:
-                return
-            if step >= done_steps:
-                yield epoch, batch
-            step += 1
-
-
-def load_feature_samples(directory, hidden_size: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """All samples of a hidden-state shard directory, in memory, each checked against the manifest (and the
-    target's hidden size) before any training starts: a wrong file fails here, naming itself, not hours later."""
-    manifest = read_manifest(directory)
-    hidden, dtype = manifest["hidden_size"], DTYPES[manifest["dtype"]]
-    if hidden_size is not None and hidden != hidden_size:
-        raise InputError(f"{directory}: hidden states of size {hidden}, the target's hidden size is {hidden_size}")
-    expected = {"aux_hidden": (len(manifest["aux_layers"]) * hidden, dtype), "final_hidden": (hidden, dtype)}
-    samples = []
-    for sample_id, tensors in iter_samples(directory):
-        length = tensors["input_ids"].shape[0]
-        for name, (width, kind) in expected.items():
-            if tuple(tensors[name].shape) != (length, width) or tensors[name].dtype != kind:
-                raise InputError(f"{directory}: sample {sample_id!r}: {name} is {tuple(tensors[name].shape)} "
-                                 f"{tensors[name].dtype}, the manifest says ({length}, {width}) {kind}")
-        samples.append(tensors)
-    return samples
-
-
-def rope_theta(hf_config) -> float:
-    """transformers 5 keeps it in rope_parameters, 4.x as an attribute."""
-    parameters = getattr(hf_config, "rope_parameters", None) or {}
-    return float(parameters.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
-
-
-def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
-                d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
-    """A randomly initialised drafter for a target (its HF config; a wrapper's text config is used), with the
-    target's embedding and a vocab map."""
-    if t2d.numel() != embedding.shape[0]:
-        raise InputError(f"the draft vocabulary map covers {t2d.numel()} target tokens but the target has "
-                         f"{embedding.shape[0]}: it was built for another tokenizer; re-run prepare")
-    torch.manual_seed(seed)
-    target_config = target_config.get_text_config()
-    hidden = target_config.hidden_size
-    cfg = DraftConfig(
-        hidden_size=hidden,
-        intermediate_size=shape.intermediate_size or target_config.intermediate_size,
-        num_attention_heads=shape.num_attention_heads or target_config.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads or shape.num_attention_heads or target_config.num_key_value_heads,
-        vocab_size=embedding.shape[0],
-        draft_vocab_size=d2t.numel(),
-        target_hidden_size=hidden,
-        aux_layers=list(aux_layers),
-        max_position_embeddings=shape.max_position_embeddings or target_config.max_position_embeddings,
-        rope_theta=shape.rope_theta or rope_theta(target_config),
-        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-        head_dim=shape.head_dim,
-    )
-    draft = Eagle3Draft(cfg)
-    draft.embed_tokens.weight.data.copy_(embedding)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    return draft

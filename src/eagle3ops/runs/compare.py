@@ -1,7 +1,7 @@
 """`eagle3ops compare`: recorded pipeline runs side by side, read back from MLflow.
 
 Answers "which drafter reaches what tau" (scratch vs warm start vs the baseline used as-is) and "what does each phase
-cost on which hardware" (stay local or rent). Everything works on `PipelineRecord`s (runs.py); `command` is the CLI.
+cost on which hardware" (stay local or rent). Everything works on `PipelineRecord`s (runs/records.py); `command` is the CLI.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from mlflow.exceptions import MlflowException
 
 from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, load_config
 from eagle3ops.errors import InputError
-from eagle3ops.reporting import markdown_table
-from eagle3ops.runs import PipelineRecord, find_pipelines, load_pipeline
-from eagle3ops.tracking import ROLE_TAG, tracking_uri
+from eagle3ops.reporting.summary import markdown_table
+from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
+from eagle3ops.tracking.store import ROLE_TAG, tracking_uri
 
 DEFAULT_LAST = 5
 DRAFTER_STAGES = ("train", "eval")  # the stages run once per drafter; the others are shared by all drafters

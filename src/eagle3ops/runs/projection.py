@@ -61,7 +61,7 @@ dominant resource of a phase on a profile is the one with the largest ideal time
 
 Pilot samples: prepare's `conversations` (the pipeline's input dataset), else generate's, else extract's
 `samples`. Pilot profile: `--from`, else for each stage the profile whose `labels` contain that stage's
-`hardware.label` tag (a stage DVC skipped carries the label of the machine that produced its outputs). Profiles are YAML files: the shipped ones in `eagle3ops/profiles/`, or a path to your own.
+`hardware.label` tag (a stage DVC skipped carries the label of the machine that produced its outputs). Profiles are YAML files: the shipped ones in `eagle3ops/runs/profiles/`, or a path to your own.
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ from mlflow.exceptions import MlflowException
 from tabulate import tabulate
 
 from eagle3ops.errors import InputError
-from eagle3ops.runs import PipelineRecord, StageRecord, load_pipeline
-from eagle3ops.tracking import ROLE_TAG
+from eagle3ops.runs.records import PipelineRecord, StageRecord, load_pipeline
+from eagle3ops.tracking.store import ROLE_TAG
 
 RESOURCES = ("compute", "memory", "interconnect", "disk")
 ALLREDUCES_PER_LAYER = 2  # tensor parallelism: one after attention, one after the MLP
@@ -171,7 +171,7 @@ def load_profile(path: str | Path) -> Profile:
 
 def shipped_profiles() -> dict[str, Profile]:
     """The profiles in the package's `profiles/` folder, by name."""
-    folder = resources.files("eagle3ops") / "profiles"
+    folder = resources.files("eagle3ops.runs") / "profiles"
     with resources.as_file(folder) as directory:
         return {p.name: p for p in map(load_profile, sorted(Path(directory).glob("*.yaml")))}
 
@@ -480,7 +480,7 @@ def render(projection: Projection) -> str:
         "",
         tabulate(table, headers, tablefmt="github", disable_numparse=True),
         "",
-        "Model (see eagle3ops.projection): each phase's measured time is split over compute, HBM, interconnect and "
+        "Model (see eagle3ops.runs.projection): each phase's measured time is split over compute, HBM, interconnect and "
         "disk in proportion to their ideal times on the pilot's profile (demand from the run's counters / "
         "capacity), and each part is scaled by the capacity ratio and the work ratio. \"bound\" = the resource with "
         "the largest ideal time on that profile. Cost = projected hours x the whole machine's price per hour.",

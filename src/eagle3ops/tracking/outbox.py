@@ -79,7 +79,8 @@ def pending(root: Path) -> list[Path]:
 
 def sync(uri: str, root: Path) -> list[str]:
     """Upload every outbox entry to the tracking server at `uri`; returns the run ids written."""
-    from eagle3ops.tracking import _experiment_id, _parent_run_id, register_drafter
+    from eagle3ops.tracking.registry import register_drafter
+    from eagle3ops.tracking.store import find_or_create_experiment, find_or_create_parent_run
 
     client = MlflowClient(uri)
     done = []
@@ -87,10 +88,10 @@ def sync(uri: str, root: Path) -> list[str]:
         record = json.loads((entry / RECORD).read_text())
         if record["status"] == "RUNNING":
             continue  # its stage is still going (or was killed: it will be re-run anyway)
-        experiment_id = _experiment_id(client, record["experiment"], None)
+        experiment_id = find_or_create_experiment(client, record["experiment"], None)
         run_id = record.get("run_id")
         if run_id is None:  # the server was down from the start: create what the stage could not
-            parent_id = _parent_run_id(client, experiment_id, record["pipeline_key"], record["parent_name"],
+            parent_id = find_or_create_parent_run(client, experiment_id, record["pipeline_key"], record["parent_name"],
                                        record["parent_tags"])
             run = client.create_run(experiment_id, run_name=record["run_name"],
                                     tags={**record["tags"], "mlflow.parentRunId": parent_id})

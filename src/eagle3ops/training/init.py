@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from eagle3ops.config import TrainConfig
-from eagle3ops.compat import CompatReport, IncompatibleDrafter, check_compat
+from eagle3ops.config import DraftShapeConfig, TrainConfig
 from eagle3ops.data.shards import sha256_file
 from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError
-from eagle3ops.modeling.draft import Eagle3Draft
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.training.compat import CompatReport, IncompatibleDrafter, check_compat
 
 
 @dataclass
@@ -99,3 +99,40 @@ def _optimizer_state(source: str | Path) -> dict:
     if not isinstance(state, dict) or "optimizer" not in state:
         raise CheckpointError(f"{path}: holds no 'optimizer' state")
     return state["optimizer"]
+
+
+def rope_theta(hf_config) -> float:
+    """transformers 5 keeps it in rope_parameters, 4.x as an attribute."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
+
+
+def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
+                d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
+    """A randomly initialised drafter for a target (its HF config; a wrapper's text config is used), with the
+    target's embedding and a vocab map."""
+    if t2d.numel() != embedding.shape[0]:
+        raise InputError(f"the draft vocabulary map covers {t2d.numel()} target tokens but the target has "
+                         f"{embedding.shape[0]}: it was built for another tokenizer; re-run prepare")
+    torch.manual_seed(seed)
+    target_config = target_config.get_text_config()
+    hidden = target_config.hidden_size
+    cfg = DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=shape.intermediate_size or target_config.intermediate_size,
+        num_attention_heads=shape.num_attention_heads or target_config.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads or shape.num_attention_heads or target_config.num_key_value_heads,
+        vocab_size=embedding.shape[0],
+        draft_vocab_size=d2t.numel(),
+        target_hidden_size=hidden,
+        aux_layers=list(aux_layers),
+        max_position_embeddings=shape.max_position_embeddings or target_config.max_position_embeddings,
+        rope_theta=shape.rope_theta or rope_theta(target_config),
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        head_dim=shape.head_dim,
+    )
+    draft = Eagle3Draft(cfg)
+    draft.embed_tokens.weight.data.copy_(embedding)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft

@@ -17,8 +17,8 @@ import torch
 
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
-from eagle3ops.progress import progress
 from eagle3ops.modeling.target import DTYPES, capture, model_text_config
+from eagle3ops.progress import progress
 
 
 @dataclass
@@ -177,4 +177,3 @@ class _BatchWriter:
 
 class NonFiniteError(InputError):
     """Too many samples with NaN/inf hidden states."""
-

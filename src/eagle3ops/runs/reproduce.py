@@ -20,9 +20,9 @@ import yaml
 from mlflow import MlflowClient
 
 from eagle3ops.errors import InputError
-from eagle3ops.metrics import METRICS_DIR, read_all
-from eagle3ops.runs import load_pipeline
-from eagle3ops.tracking import lock_outputs
+from eagle3ops.runs.records import load_pipeline
+from eagle3ops.tracking.lineage import lock_outputs
+from eagle3ops.tracking.metrics import METRICS_DIR, read_all
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
 REPRODUCES_TAG = "eagle3ops.reproduces"

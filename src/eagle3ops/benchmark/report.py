@@ -1,0 +1,183 @@
+"""The bench's table (markdown, with the reference figures beside ours), its plots and its JSON."""
+from __future__ import annotations
+
+from pathlib import Path
+
+REFERENCE = {  # SpecForge v0.2 on one H200, Llama-3.1-8B drafter, TTT 7, seq 2048 unless stated (the issue's figures)
+    "specforge_train": {(1, 2048): (22_000, 13.6), (2, 2048): (24_500, 17.6), (4, 2048): (26_200, 26.2),
+                        (1, 4096): (24_400, 17.4), (1, 8192): (24_800, 25.5), (1, 16384): (22_700, 43.2)},
+    "naive_extract_tokens_per_s": (12_300, 14_100),
+}
+
+
+def render(result: dict) -> str:
+    import pandas as pd
+
+    from eagle3ops.reporting.summary import markdown_table
+
+    lines = [f"# eagle3ops bench: {result['size']} on {result['device']} (torch {result['torch']})", ""]
+    if "data_parallel" in result:
+        return "\n".join(lines + render_data_parallel(result["data_parallel"], result["backend"]))
+    ceilings = result["ceilings"]
+    lines += [f"Ceilings: matmul {ceilings['matmul_tflops']:.0f} TFLOP/s ({ceilings['matmul_dtype']}), device copy "
+              f"{ceilings['copy_gbps']:.0f} GB/s, disk write+fsync {ceilings['disk_write_gbps']:.2f} GB/s", ""]
+    if "extract" in result:
+        lines += render_extraction(result["extract"], ceilings)
+    if "extract_split" in result:
+        lines += render_split_extraction(result["extract_split"])
+    if "train" in result:
+        rows = []
+        for row in result["train"]:
+            reference = REFERENCE["specforge_train"].get((row["batch"], row["length"])) if result["size"] == "8b" else None
+            rows.append({"kernel": row["kernel"], "batch": row["batch"], "length": row["length"],
+                         "first step s": row["first_step_s"], "step ms": row["step_ms"],
+                         "tok/s": f"{row['tokens_per_s']:,.0f}", "peak GiB": row["peak_gib"] or "-",
+                         "MFU": f"{row['mfu']:.0%}",
+                         "SpecForge tok/s": f"{reference[0]:,}" if reference else "-",
+                         "vs SpecForge": f"{row['tokens_per_s'] / reference[0]:.2f}x" if reference else "-",
+                         "SpecForge GiB": reference[1] if reference else "-"})
+        lines += ["## Drafter training (TTT 7, one optimizer step)", "", markdown_table(pd.DataFrame(rows), "g"), ""]
+    return "\n".join(lines)
+
+
+def render_extraction(extract: dict, ceilings: dict) -> list[str]:
+    import pandas as pd
+
+    from eagle3ops.reporting.summary import markdown_table
+
+    disk_limit = ceilings["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
+    rows = [{"pipeline": run["pipeline"], "batch": run["batch"], "length": run["length"],
+             "tok/s": f"{run['tokens_per_s']:,.0f}", "MFU": f"{run['mfu']:.0%}", "disk GB/s": f"{run['disk_gbps']:.2f}",
+             "drain s": f"{run['drain_s']:.2f}" if "drain_s" in run else "-",
+             "steady tok/s": f"{run['steady_tokens_per_s']:,.0f}" if "steady_tokens_per_s" in run else "-",
+             "forward alone tok/s": f"{run['forward_only_tokens_per_s']:,.0f}",
+             "of forward": f"{run['tokens_per_s'] / run['forward_only_tokens_per_s']:.0%}",
+             "of disk limit": f"{run['tokens_per_s'] / disk_limit:.0%}"} for run in extract["runs"]]
+    base = extract["base"]
+    at_base = {run["pipeline"]: run["tokens_per_s"] for run in extract["runs"]
+               if (run["batch"], run["length"]) == (base["batch"], base["length"])}
+    return [f"## Extraction ({extract['target_params'] / 1e9:.1f}B target, {extract['tokens_per_point']:,} tokens per "
+            f"row, shards of {extract['shard_tokens']:,} tokens; the disk allows {disk_limit:,.0f} tok/s at "
+            f"{extract['bytes_per_token']:,} bytes/token)", "", markdown_table(pd.DataFrame(rows), "g"), "",
+            f"ours / naive at batch {base['batch']} x {base['length']}: {at_base['ours'] / at_base['naive']:.2f}x", ""]
+
+
+def render_split_extraction(split: dict) -> list[str]:
+    import pandas as pd
+
+    from eagle3ops.reporting.summary import markdown_table
+
+    rows = [{"placement": run["placement"], "modules per device": ", ".join(f"{d}: {n}" for d, n in
+                                                                            run["modules_per_device"].items()),
+             "tok/s": f"{run['tokens_per_s']:,.0f}",
+             "peak GiB per GPU": " / ".join(str(g) for g in run["peak_gib_per_gpu"]) or "-"} for run in split["runs"]]
+    difference = split["max_abs_difference"]
+    return [f"## Extraction with the target split over {split['gpus']} GPUs ({split['sequences']} x {split['seq_len']} "
+            f"tokens, batch {split['batch_size']})", "", markdown_table(pd.DataFrame(rows), "g"), "",
+            f"Largest difference between the stored hidden states of the two placements: aux "
+            f"{difference['aux_hidden']:.3g}, final {difference['final_hidden']:.3g}", ""]
+
+
+def render_data_parallel(bench: dict, backend: str) -> list[str]:
+    import pandas as pd
+
+    from eagle3ops.reporting.summary import markdown_table
+
+    alone, together = bench["runs"]
+    runs = [{"ranks": run["ranks"], "batch per rank": run["batch_per_rank"], "first step s": run["first_step_s"],
+             "step ms": run["step_ms"], "tok/s": f"{run['tokens_per_s']:,.0f}", "peak GiB": run["peak_gib"] or "-"}
+            for run in bench["runs"]]
+    losses = [{"step": step, "1 rank": a, f"{together['ranks']} ranks": b, "relative difference": abs(a - b) / abs(a)}
+              for step, (a, b) in enumerate(zip(alone["losses"], together["losses"]), start=1)]
+    return [f"## Data-parallel drafter training ({backend}; TTT 7, global batch {bench['global_batch']} x "
+            f"{bench['length']} tokens, {bench['steps']} steps)", "",
+            markdown_table(pd.DataFrame(runs), "g"), "",
+            f"{together['ranks']} ranks / 1: {bench['speedup']:.2f}x tokens/s "
+            f"({bench['speedup'] / together['ranks']:.0%} scaling efficiency); loss curves differ by at most "
+            f"{bench['max_loss_rel_diff']:.1e} (relative)", "", "Loss of each optimizer step:", "",
+            markdown_table(pd.DataFrame(losses), ("d", ".6f", ".6f", ".1e")), ""]
+
+
+def batch_sweep_length(rows: list[dict]) -> int:
+    """The length measured at the most batch sizes (the shortest of equals): the batch panel's length."""
+    batches_at = {n: len({r["batch"] for r in rows if r["length"] == n}) for n in sorted({r["length"] for r in rows})}
+    return max(batches_at, key=batches_at.get, default=0)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Training tokens/s as the length grows (batch 1) and as the batch grows (at the length measured at the most
+    batch sizes), one line per kernel, with SpecForge's reference figures where the size is 8b."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for result in results for row in result.get("train", [])]
+    figure, (by_length, by_batch) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {kernel: [r for r in rows if r["kernel"] == kernel] for kernel in sorted({r["kernel"] for r in rows})}
+    if any(result["size"] == "8b" for result in results):
+        series["SpecForge (reference)"] = [{"batch": b, "length": n, "tokens_per_s": v[0]}
+                                           for (b, n), v in REFERENCE["specforge_train"].items()]
+    base = batch_sweep_length(rows)
+    for name, points in series.items():
+        longs = sorted((r["length"], r["tokens_per_s"]) for r in points if r["batch"] == 1)
+        batches = sorted((r["batch"], r["tokens_per_s"]) for r in points if r["length"] == base)
+        by_length.plot(*zip(*longs), marker="o", label=name) if longs else None
+        by_batch.plot(*zip(*batches), marker="o", label=name) if batches else None
+    lengths = sorted({r["length"] for points in series.values() for r in points if r["batch"] == 1})
+    by_length.set(xscale="log", xlabel="sequence length (batch 1)", ylabel="training tokens/s", ylim=(0, None))
+    by_length.set_xticks(lengths, [str(n) for n in lengths])
+    by_length.minorticks_off()
+    by_batch.set(xlabel=f"batch size (length {base})", ylabel="training tokens/s", ylim=(0, None))
+    by_length.legend()
+    figure.suptitle(f"Drafter training speed on {results[0]['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_extraction(result: dict, path: Path) -> None:
+    """Extraction tokens/s as the length grows (fixed tokens per batch) and as the batch grows (at the base
+    length): ours, the forward alone at each shape (the compute limit) and the disk limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    extract = result["extract"]
+    ours = [run for run in extract["runs"] if run["pipeline"] == "ours"]
+    base, batch_tokens = extract["base"], extract["base"]["batch"] * extract["base"]["length"]
+    disk_limit = result["ceilings"]["disk_write_gbps"] * 1e9 / extract["bytes_per_token"]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, key, keep, label in (
+            (axes[0], "length", lambda r: r["batch"] * r["length"] == batch_tokens, f"sequence length ({batch_tokens:,} tokens per batch)"),
+            (axes[1], "batch", lambda r: r["length"] == base["length"], f"batch size (length {base['length']})")):
+        points = sorted((r for r in ours if keep(r)), key=lambda r: r[key])
+        xs = [r[key] for r in points]
+        axis.plot(xs, [r["forward_only_tokens_per_s"] for r in points], marker="s", linestyle="--", label="forward alone")
+        axis.plot(xs, [r["tokens_per_s"] for r in points], marker="o", label="eagle3ops extraction, end to end (on disk)")
+        axis.plot(xs, [r["steady_tokens_per_s"] for r in points], marker="o", linestyle=":", color="C1",
+                  label="eagle3ops, before the last shard's write")
+        axis.axhline(disk_limit, color="grey", linestyle=":", label="disk write limit")
+        naive = [r for r in extract["runs"] if r["pipeline"] == "naive"]
+        axis.plot([r[key] for r in naive], [r["tokens_per_s"] for r in naive], marker="x", linestyle="", color="red",
+                  label="naive pipeline")
+        axis.set(xscale="log", xlabel=label, ylabel="extraction tokens/s", ylim=(0, None))
+        axis.set_xticks(xs, [str(x) for x in xs])
+        axis.minorticks_off()
+    axes[0].legend(fontsize=8, loc="lower right")
+    figure.suptitle(f"Hidden-state extraction speed on {result['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_result(result: dict, out: Path) -> None:
+    from eagle3ops.fs import write_json_atomic
+
+    write_json_atomic(out, result)
+    out.with_suffix(".md").write_text(render(result) + "\n")
+    if result.get("train"):
+        plot([result], out.with_suffix(".png"))
+    if result.get("extract"):
+        plot_extraction(result, out.with_name(out.stem + "-extract.png"))

@@ -1,0 +1,69 @@
+"""`eagle3ops bench`: extraction and drafter-training speed, against the machine's own limits and a naive
+baseline measured in the same run.
+
+Targets and drafters are built from architecture configs with random weights (speed does not depend on the
+values). Figures:
+- ceilings: bf16 matrix product TFLOP/s, device copy GB/s (bytes read + written), disk write with fsync GB/s;
+- extraction: the naive pipeline (`output_hidden_states=True`, copy to host and save after each batch) and ours
+  (extraction/hf.py, extract_features: hooks, length-sorted batches, overlapped copies and shard writing), tokens/s,
+  disk GB/s, MFU = 2 * target params * tokens/s over the measured matrix ceiling; ours also as the sequence
+  length grows (at a fixed number of tokens per batch) and as the batch grows, each beside the target's forward
+  alone at that shape, the compute limit;
+- extraction with the target split layer-wise over the GPUs (`extract-split`, target.device_map "balanced" through
+  the real loading code) against the same weights on one GPU: tokens/s, peak memory of each GPU, and the largest
+  difference between the hidden states the two placements stored;
+- training: one optimizer step of the TTT loss (modeling/draft.py) at each batch size and length, the first
+  step (compilation included) apart, tokens/s, peak memory, MFU from the step's counted FLOPs; `reference`
+  rows run the explicit TTT attention (scores materialised), `flex` rows the fused kernel;
+- data-parallel training (under torchrun, `run_data_parallel_bench`): the train stage's loop at one global
+  batch on one rank alone, then over all ranks with DDP: tokens/s, scaling, and the loss of every step of both.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eagle3ops.benchmark.extraction import bench_extraction, bench_split_extraction
+from eagle3ops.benchmark.sizes import SIZES
+from eagle3ops.benchmark.timing import device_name, measure_ceilings
+from eagle3ops.benchmark.training import bench_train, draft_config
+
+
+def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple[str, ...] = ("extract", "train"),
+              kernels: tuple[str, ...] = ("flex", "reference"),
+              train_shapes: list[tuple[int, int]] | None = None) -> dict:
+    """`train_shapes` ((batch, length) pairs) replace the size's training shapes."""
+    size = SIZES[size_name]()
+    arch = size.architecture
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"size": size_name, "device": device_name(device), "torch": torch.__version__,
+                    "architecture": {k: arch[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}}
+    result["ceilings"] = measure_ceilings(device, size.matmul_n, work_dir, size.disk_bytes)
+    peak_tflops = result["ceilings"]["matmul_tflops"]
+    if "extract" in parts:
+        result["extract"] = bench_extraction(size, device, work_dir, peak_tflops)
+    if "extract-split" in parts:
+        result["extract_split"] = bench_split_extraction(size, device, work_dir)
+    if "train" in parts:
+        cfg = draft_config(arch, size.draft_vocab_size)
+        shapes = train_shapes or [(b, size.train_seq_len) for b in size.train_batches] + [(1, n) for n in size.long_seq_lens]
+        rows = []
+        for kernel in [k for k in kernels if k == "reference" or device.type == "cuda"]:  # flex trains on GPUs only
+            for batch, length in shapes:
+                try:
+                    bench = bench_train(cfg, batch, length, size.train_steps, device, kernel)
+                except torch.OutOfMemoryError:
+                    print(f"bench train {kernel} batch {batch} x {length}: out of memory", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                row = asdict(bench)
+                row["mfu"] = bench.tflops / peak_tflops
+                rows.append(row)
+                print(f"bench train {kernel} batch {batch} x {length}: {bench.tokens_per_s:,.0f} tok/s", flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        result["train"] = rows
+    return result

@@ -1,0 +1,163 @@
+"""Drafter training speed: the bare TTT step at fixed shapes, and the train stage's own loop over one or several
+ranks."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3ops.benchmark.sizes import SIZES
+from eagle3ops.benchmark.timing import device_name, sync, timed
+from eagle3ops.config import DrafterTrainConfig
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, compute_dtype, ttt_loss
+from eagle3ops.training import distributed
+from eagle3ops.training.loop import to_training_device, train_drafter
+
+
+def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
+    hidden = architecture["hidden_size"]
+    return DraftConfig(hidden_size=hidden, intermediate_size=architecture["intermediate_size"],
+                       num_attention_heads=architecture["num_attention_heads"],
+                       num_key_value_heads=architecture["num_key_value_heads"], vocab_size=architecture["vocab_size"],
+                       draft_vocab_size=draft_vocab_size, target_hidden_size=hidden, aux_layers=[2, 3, 4],
+                       head_dim=architecture.get("head_dim"), max_position_embeddings=32768)
+
+
+def train_step_flops(cfg: DraftConfig, batch: int, length: int, ttt_steps: int) -> float:
+    """FLOPs of one optimizer step: forward + backward (2x) of the drafter per TTT step, the fc once, and the
+    target's logits (forward only: the full vocabulary for the argmax, the draft rows for the distribution)."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_width, kv_width = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_token = 2 * (2 * H * (q_width + 2 * kv_width) + q_width * H + 3 * H * I + H * cfg.draft_vocab_size)
+    attention = 2 * 2 * q_width * (length / 2)  # causal step-0 scores and values; the diagonal terms are negligible
+    tokens = batch * length
+    drafter = 3 * ttt_steps * tokens * (per_token + attention) + 3 * tokens * 2 * 3 * cfg.target_hidden_size * H
+    target = tokens * 2 * cfg.target_hidden_size * (cfg.vocab_size + cfg.draft_vocab_size)
+    return drafter + target
+
+
+@dataclass
+class TrainBench:
+    kernel: str
+    batch: int
+    length: int
+    first_step_s: float
+    step_ms: float
+    tokens_per_s: float
+    peak_gib: float | None
+    tflops: float
+    losses: list[float] = field(default_factory=list)
+
+
+def random_drafter(cfg: DraftConfig, seed: int) -> Eagle3Draft:
+    """Random weights and a random draft vocabulary, from `seed`, on the CPU."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    vocab_rows = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
+    draft.d2t.copy_(vocab_rows - torch.arange(cfg.draft_vocab_size))
+    draft.t2d.zero_()
+    draft.t2d[vocab_rows] = True
+    return draft
+
+
+def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
+                ttt_steps: int = 7, seed: int = 0) -> TrainBench:
+    """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`); bf16 autocast on a GPU
+    with fp32 master weights, as the train stage runs."""
+    draft = to_training_device(random_drafter(cfg, seed), device)
+    draft.midlayer.self_attn.kernel = kernel
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
+    features = compute_dtype(device)  # as the train stage passes the features and the target's lm_head
+    lm_head = lm_head.to(features)
+    ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
+    aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device, dtype=features)
+    final = torch.randn(batch, length, cfg.target_hidden_size, device=device, dtype=features)
+    mask = torch.ones(batch, length, dtype=torch.long, device=device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    losses = []
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)  # before the forward, as the train stage does
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            result = ttt_loss(draft, ids, aux, final, mask, lm_head, ttt_steps)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        losses.append(round(result.losses[0], 5))
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    start = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - start
+    seconds = timed(step, device, repeats=steps, warmup=1)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    flops = train_step_flops(cfg, batch, length, ttt_steps)
+    return TrainBench(kernel, batch, length, round(first, 2), round(seconds * 1e3, 1), batch * length / seconds,
+                      round(peak, 2) if peak else None, flops / seconds / 1e12, losses)
+
+
+def random_features(cfg: DraftConfig, count: int, length: int, distinct: int, seed: int = 0) -> list[dict]:
+    """`count` feature samples as extraction stores them (bf16 states, every position trained on), cycling
+    through `distinct` random ones: generating them all would take longer than the bench."""
+    generator = torch.Generator().manual_seed(seed)
+    made = [{"input_ids": torch.randint(0, cfg.vocab_size, (length,), generator=generator, dtype=torch.int32),
+             "loss_mask": torch.ones(length, dtype=torch.uint8),
+             "aux_hidden": torch.randn(length, 3 * cfg.target_hidden_size, generator=generator).to(torch.bfloat16),
+             "final_hidden": torch.randn(length, cfg.target_hidden_size, generator=generator).to(torch.bfloat16)}
+            for _ in range(min(count, distinct))]
+    return [made[i % len(made)] for i in range(count)]
+
+
+def time_training(cfg: DraftConfig, samples: list[dict], lm_head: torch.Tensor, recipe: DrafterTrainConfig,
+                  device: torch.device, world: distributed.World) -> dict:
+    """train_drafter over `world` (one rank alone: World()): seconds to the end of the first step (setup and
+    compilation included), then the steady step time from the second step on, and every step's loss."""
+    draft = random_drafter(cfg, seed=0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stamps, start = [], time.perf_counter()
+    result, _ = train_drafter(draft, samples, [], lm_head, recipe, seed=0, device=device,
+                              log=lambda step, row: stamps.append(time.perf_counter()),  # synced: rows are read back
+                              desc=f"bench train x{world.size}", world=world)
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    tokens_per_step = recipe.batch_size * samples[0]["input_ids"].shape[0]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    del draft
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"ranks": world.size, "batch_per_rank": math.ceil(recipe.batch_size / world.size),
+            "first_step_s": round(stamps[0] - start, 2), "step_ms": round(step_s * 1e3, 1),
+            "tokens_per_s": tokens_per_step / step_s, "peak_gib": round(peak, 2) if peak else None,
+            "losses": [row["train/loss"] for row in result.history]}
+
+
+def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None:
+    """Under torchrun: the train stage's loop (train_drafter: TTT 7, AdamW, clipping, bf16 autocast on GPUs) on
+    random features at one global batch (at least one sample per rank), first on rank 0 alone (the one-GPU
+    reference; the other ranks wait), then on all ranks with DDP. Returns the result on rank 0, None elsewhere."""
+    size = SIZES[size_name]()
+    cfg = draft_config(size.architecture, size.draft_vocab_size)
+    with distributed.process_group(device) as (world, device):
+        global_batch = math.ceil(size.data_parallel_batch / world.size) * world.size
+        samples = random_features(cfg, global_batch * size.data_parallel_steps, size.train_seq_len, 2 * global_batch)
+        lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
+        recipe = DrafterTrainConfig(epochs=1, batch_size=global_batch, lr=1e-4, log_every=1, checkpoint_every=0)
+        runs = [time_training(cfg, samples, lm_head, recipe, device, distributed.World())] if world.main else []
+        distributed.wait_for_main(world)
+        runs.append(time_training(cfg, samples, lm_head, recipe, device, world))
+        backend = torch.distributed.get_backend() if world.size > 1 else "-"
+    if not world.main:
+        return None
+    alone, together = runs
+    return {"size": size_name, "device": device_name(device), "torch": torch.__version__, "backend": backend,
+            "data_parallel": {
+                "world_size": world.size, "global_batch": global_batch, "length": size.train_seq_len,
+                "steps": size.data_parallel_steps, "runs": runs,
+                "speedup": together["tokens_per_s"] / alone["tokens_per_s"],
+                "max_loss_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(alone["losses"], together["losses"]))}}

@@ -1,0 +1,140 @@
+"""The DVC side of a stage run: what `dvc.lock` records (input md5s, each stage entry's hash), the git state, and the
+links that make every pipeline run show its whole chain (cached stages linked to the runs that produced their
+outputs, experiments tagged with their result commit).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+
+from eagle3ops.tracking.store import PIPELINE_KEY_TAG, ROLE_TAG
+
+
+def git(root: Path, *args: str) -> str | None:
+    """Output of a git command in `root`, or None where there is no git or no repository."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_state(root: Path) -> tuple[str, bool]:
+    """(HEAD commit or "nogit", whether the work tree differs from it)."""
+    commit = git(root, "rev-parse", "HEAD") or "nogit"
+    # dvc.lock is rewritten after every stage of a `dvc repro`; counting it would mark all later stages dirty.
+    status = git(root, "status", "--porcelain", "--", ":(exclude,glob)**/dvc.lock")
+    return commit, bool(status)
+
+
+def _normalise(path: str | Path, root: Path) -> str:
+    return Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
+
+
+def lock_stages(lock: Path) -> dict[str, dict]:
+    """{stage name: its dvc.lock entry}; empty when there is no lock yet."""
+    if not lock.is_file():
+        return {}
+    return (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
+
+
+def lock_outputs(lock: Path) -> dict[str, str]:
+    """{output path: md5} over every stage of a dvc.lock."""
+    return {out["path"]: str(out["md5"]) for entry in lock_stages(lock).values()
+            for out in entry.get("outs") or [] if "path" in out and "md5" in out}
+
+
+def input_md5s(inputs: Sequence[str | Path], root: Path) -> dict[str, str]:
+    """md5 that dvc.lock records for each input as some stage's output; inputs it does not list are left out."""
+    recorded = {_normalise(root / path, root): md5 for path, md5 in lock_outputs(root / "dvc.lock").items()}
+    wanted = (_normalise(path, root) for path in inputs)
+    return {path: recorded[path] for path in wanted if path in recorded}
+
+
+LOCK_HASH_TAG = "eagle3ops.lock_hash"
+
+
+CACHED_FROM_TAG = "eagle3ops.cached_from"
+
+
+def lock_hashes(root: Path) -> dict[str, str]:
+    """{dvc stage name: hash of its dvc.lock entry}. Equal hashes mean the same command, deps, params and outs:
+    the run that wrote the entry produced exactly those outputs."""
+    return {name: hashlib.sha256(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            for name, entry in lock_stages(root / "dvc.lock").items()}
+
+
+def _stage_runs(client: MlflowClient, experiment_id: str, extra: str = "") -> list:
+    query = f"tags.`{ROLE_TAG}` = 'stage'" + (f" and {extra}" if extra else "")
+    return client.search_runs([experiment_id], filter_string=query, order_by=["attributes.start_time DESC"],
+                              max_results=5000)
+
+
+def stamp_finished_stages(client: MlflowClient, experiment_id: str, root: Path) -> None:
+    """Tag the newest finished, unstamped run of each stage with the dvc.lock hash DVC wrote after it ran.
+
+    DVC writes a stage's lock entry only once the stage has succeeded, so the next stage to start (or the
+    report at the end) is the first process that can tie the run to the outputs it produced.
+    """
+    hashes = lock_hashes(root)
+    if not hashes:
+        return
+    stamped = {r.data.tags.get(LOCK_HASH_TAG) for r in _stage_runs(client, experiment_id, f"tags.`{LOCK_HASH_TAG}` != ''")}
+    for run in _stage_runs(client, experiment_id, "attributes.status = 'FINISHED'"):
+        tags = run.data.tags
+        stage = tags.get("eagle3ops.dvc_stage")
+        if stage in hashes and LOCK_HASH_TAG not in tags and hashes[stage] not in stamped:
+            client.set_tag(run.info.run_id, LOCK_HASH_TAG, hashes[stage])
+            stamped.add(hashes[stage])
+
+
+RESULT_COMMIT_TAG = "eagle3ops.result_commit"
+
+
+def tag_experiment_commits(client: MlflowClient, experiment_id: str, root: Path) -> None:
+    """`dvc exp run` commits its results only after the last stage: tag each experiment's parent run with that
+    commit as soon as a later process (the next stage run, or `compare`) can see it under refs/exps."""
+    refs = git(root, "for-each-ref", "refs/exps", "--format=%(refname) %(objectname)")
+    if not refs:
+        return
+    commits = {ref.rsplit("/", 1)[-1]: sha for ref, sha in (line.split() for line in refs.splitlines())}
+    parents = client.search_runs([experiment_id], f"tags.`{ROLE_TAG}` = 'pipeline'", max_results=5000)
+    for parent in parents:
+        name = parent.data.tags.get(PIPELINE_KEY_TAG)
+        if name in commits and RESULT_COMMIT_TAG not in parent.data.tags:
+            client.set_tag(parent.info.run_id, RESULT_COMMIT_TAG, commits[name])
+
+
+def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str, root: Path) -> list[str]:
+    """Give the pipeline run a child for every stage DVC skipped: a FINISHED link run that names the run which
+    produced the cached outputs (found by dvc.lock hash) and carries its params and final metrics, so every
+    parent shows the whole chain. Returns the linked stage names."""
+    stamp_finished_stages(client, experiment_id, root)
+    present = {r.data.tags.get("eagle3ops.dvc_stage")
+               for r in _stage_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent_id}'")}
+    linked = []
+    for stage, lock_hash in lock_hashes(root).items():
+        if stage in present:
+            continue
+        producers = _stage_runs(client, experiment_id, f"tags.`{LOCK_HASH_TAG}` = '{lock_hash}'")
+        original = next((r for r in producers if CACHED_FROM_TAG not in r.data.tags), None)
+        if original is None:
+            continue
+        tags = {k: v for k, v in original.data.tags.items() if not k.startswith("mlflow.")}
+        tags.update({CACHED_FROM_TAG: original.info.run_id, "mlflow.parentRunId": parent_id})
+        link = client.create_run(original.info.experiment_id, run_name=f"{original.info.run_name} (cached)", tags=tags)
+        client.log_batch(link.info.run_id,
+                         metrics=[Metric(k, v, int(time.time() * 1000), 0) for k, v in original.data.metrics.items()],
+                         params=[Param(k, v) for k, v in original.data.params.items()])
+        client.set_terminated(link.info.run_id, "FINISHED")
+        linked.append(stage)
+    return linked

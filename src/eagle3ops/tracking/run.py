@@ -1,0 +1,277 @@
+"""One MLflow run per DVC stage run, grouped under one parent run per pipeline run.
+
+Every stage is its own process, so the parent cannot be held open across stages: each stage finds the parent by its
+`eagle3ops.pipeline_key` tag (or creates it), hangs its own run under it with `parent_run_id`, and leaves the parent
+FINISHED again, so the UI never shows a pipeline spinning after the last stage ended.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import psutil
+from mlflow import MlflowClient
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.data.sources import LocalArtifactDatasetSource
+from mlflow.entities import DatasetInput, InputTag, Metric
+from omegaconf import OmegaConf
+
+from eagle3ops.config import Config
+from eagle3ops.tracking import hardware
+from eagle3ops.tracking.lineage import (
+    git_state,
+    input_md5s,
+    link_cached_stages,
+    stamp_finished_stages,
+    tag_experiment_commits,
+)
+from eagle3ops.tracking.outbox import Outbox
+from eagle3ops.tracking.registry import register_drafter
+from eagle3ops.tracking.store import (
+    PIPELINE_KEY_TAG,
+    ROLE_TAG,
+    UNREACHABLE,
+    credentials_refused,
+    default_uri,
+    find_or_create_experiment,
+    find_or_create_parent_run,
+    project_root,
+    scrub,
+    store_root,
+    tracking_uri,
+)
+
+# MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
+MAX_PARAM_CHARS = 500
+
+
+def params_digest(cfg: Config) -> str:
+    """Short hash of the resolved config: equal digests mean the stages ran with the same parameters."""
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            text = json.dumps(value) if isinstance(value, list) else str(value)
+            flat[name] = scrub(text)[:MAX_PARAM_CHARS]
+    return flat
+
+
+def _invocation_key() -> str | None:
+    """One key per `dvc repro` / `dvc exp run` invocation: the pid and start time of the dvc process above us
+    (DVC runs each stage command through a shell). None when the stage was started by hand."""
+    try:
+        process = psutil.Process().parent()
+        while process is not None:
+            command = " ".join(process.cmdline()[:2])
+            if re.search(r"(^|/)dvc(\s|$)|-m dvc\b|/dvc/__main__", command) or process.name() == "dvc":
+                return f"dvc-{process.pid}-{int(process.create_time())}"
+            process = process.parent()
+    except psutil.Error:
+        return None
+    return None
+
+
+def _tag_key(text: str) -> str:
+    return re.sub(r"[^\w./\- ]", "_", text)  # the characters MLflow allows in tag names
+
+
+def _log_inputs(client: MlflowClient, run_id: str, md5s: dict[str, str]) -> None:
+    """Datasets and shard directories as MLflow inputs, with the DVC md5 as digest."""
+    datasets = [MetaDataset(LocalArtifactDatasetSource(path), name=path, digest=md5)._to_mlflow_entity()
+                for path, md5 in md5s.items()]
+    if datasets:
+        client.log_inputs(run_id, [DatasetInput(d, tags=[InputTag("mlflow.data.context", "input")]) for d in datasets])
+
+
+class StageRun:
+    """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts.
+
+    When the tracking server cannot be reached (from the start, or from some call on), the handle records what
+    it could not send in an outbox (tracking/outbox.py) and the stage goes on; `eagle3ops sync` uploads it later.
+    """
+
+    def __init__(self, client: MlflowClient | None, run_id: str | None, started: float, experiment_id: str | None,
+                 parent_id: str | None, root: Path, record: dict) -> None:
+        self._client = client
+        self._started = started
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.parent_id = parent_id
+        self.root = root
+        self.input_md5s: dict[str, str] = {}  # dvc.lock md5 of each input the stage named
+        self.timings: dict[str, float] = {}
+        self._record = record  # what the outbox needs to recreate the run
+        self.outbox: Outbox | None = None
+
+    def go_offline(self, error: BaseException) -> None:
+        if self.outbox is None:
+            self.outbox = Outbox(self.root, {**self._record, "run_id": self.run_id, "parent_id": self.parent_id})
+            what = ("MLflow refused the credentials (check MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+                    if credentials_refused(error) else "MLflow unreachable")
+            print(f"eagle3ops: {what} ({type(error).__name__}: {str(error)[:200]}); recording this run "
+                  f"in {self.outbox.dir}; `eagle3ops sync` uploads it later", file=sys.stderr, flush=True)
+
+    def _send(self, action) -> bool:
+        """Run an MLflow call; False (and offline from now on) when the server cannot take it."""
+        if self.outbox is not None:
+            return False
+        try:
+            action()
+            return True
+        except UNREACHABLE as err:
+            self.go_offline(err)
+            return False
+
+    def elapsed(self) -> float:
+        """Seconds since the stage run began (perf_counter clock)."""
+        return time.perf_counter() - self._started
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as `time/<name>_s` (also when it raises); a phase entered again adds up."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            self.log_metrics({f"time/{name}_s": self.timings[name]})
+
+    def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
+        """Log the finite values; None, NaN and inf are skipped rather than polluting the charts."""
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key, float(value), now, step or 0)
+            for key, value in metrics.items()
+            if value is not None and math.isfinite(float(value))
+        ]
+        if batch and not self._send(lambda: self._client.log_batch(self.run_id, metrics=batch)):
+            self.outbox.metrics(batch)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Tags learnt during the stage (a warm start's source digest, the target's identity)."""
+        tags = {key: str(value) for key, value in tags.items()}
+        if not self._send(lambda: [self._client.set_tag(self.run_id, k, v) for k, v in tags.items()]):
+            self.outbox.tags(tags)
+
+    def register_drafter(self, name: str, artifact_path: str, tau: float) -> None:
+        """Register this run's logged drafter artifact (see `register_drafter`)."""
+        def register():
+            run = self._client.get_run(self.run_id)
+            register_drafter(self._client, run, name, f"{run.info.artifact_uri}/{artifact_path}", tau)
+
+        if not self._send(register):
+            self.outbox.register(name, artifact_path, tau)
+
+    def log_pipeline_artifact(self, path: str | Path, artifact_path: str) -> None:
+        """A file that describes the whole pipeline run (dvc.lock, params.yaml) goes on the parent run."""
+        if not self._send(lambda: self._client.log_artifact(self.parent_id, str(path), artifact_path)):
+            self.outbox.artifact(Path(path), artifact_path, on_parent=True)
+
+    def link_cached_stages(self) -> list[str]:
+        """At the end of a pipeline: link the runs of the stages DVC skipped (see `link_cached_stages`).
+        Needs the server: offline, nothing is linked."""
+        linked: list[str] = []
+        self._send(lambda: linked.extend(link_cached_stages(self._client, self.experiment_id, self.parent_id,
+                                                            self.root)))
+        return linked
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Log a file, or a directory as a folder of its own name (unless `artifact_path` names one)."""
+        path = Path(path)
+
+        def send():
+            if path.is_dir():
+                self._client.log_artifacts(self.run_id, str(path), artifact_path or path.name)
+            else:
+                self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+        if not self._send(send):
+            self.outbox.artifact(path, artifact_path or (path.name if path.is_dir() else None))
+
+
+@contextmanager
+def stage_run(
+    cfg: Config, stage: str, variant: str | None = None, inputs: Sequence[str | Path] = (),
+    extra_params: Mapping[str, str] | None = None,
+) -> Iterator[StageRun]:
+    """Record one stage run as a child of its pipeline's parent run; FAILED if the block raises. A tracking
+    server that cannot be reached never stops the stage: see StageRun. `extra_params` are logged beside the
+    config's (the target's identity, modeling/identity.py)."""
+    start = time.perf_counter()
+    root = project_root()
+    uri = tracking_uri(cfg)
+    commit, dirty = git_state(root)
+    digest = params_digest(cfg)
+    exp_name = os.environ.get("DVC_EXP_NAME")
+    key = exp_name or _invocation_key() or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
+    shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
+    if os.environ.get("EAGLE3OPS_REPRODUCES"):  # set by `eagle3ops reproduce` for the re-run it starts
+        shared["eagle3ops.reproduces"] = os.environ["EAGLE3OPS_REPRODUCES"]
+    name = exp_name or f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}"  # used only when the parent is created
+    md5s = input_md5s(inputs, root)
+    fp = hardware.fingerprint()
+    tags = {
+        **shared,
+        ROLE_TAG: "stage",
+        "eagle3ops.stage": stage,
+        "eagle3ops.variant": variant or "",
+        "eagle3ops.dvc_stage": os.environ.get("DVC_STAGE", ""),
+        "eagle3ops.git_dirty": str(dirty).lower(),
+        "hardware.label": hardware.label(fp, cfg.hardware.label),
+        **{f"hardware.{name}": str(value) for name, value in fp.items()},
+        **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},
+    }
+    run_name = f"{stage}@{variant}" if variant else stage
+    params = {**_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))),
+              **{key: scrub(str(value))[:MAX_PARAM_CHARS] for key, value in (extra_params or {}).items()}}
+    record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
+              "run_name": run_name, "tags": tags, "params": params}
+
+    handle = StageRun(None, None, start, None, None, root, record)
+    try:
+        mlflow.set_tracking_uri(uri)
+        client = MlflowClient(uri)
+        # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
+        artifacts = (store_root(root) / "mlruns").as_uri() if uri == default_uri(root) else None
+        experiment_id = find_or_create_experiment(client, cfg.mlflow.experiment, artifacts)
+        parent_id = find_or_create_parent_run(client, experiment_id, key, name, shared)
+        stamp_finished_stages(client, experiment_id, root)
+        tag_experiment_commits(client, experiment_id, root)
+        active = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags,
+                                  log_system_metrics=cfg.mlflow.system_metrics)
+        handle = StageRun(client, active.info.run_id, start, experiment_id, parent_id, root, record)
+        mlflow.log_params(params)
+        _log_inputs(client, active.info.run_id, md5s)
+    except UNREACHABLE as err:
+        handle.go_offline(err)
+    handle.input_md5s = md5s
+    status = "FAILED"
+    try:
+        yield handle
+        status = "FINISHED"
+    finally:
+        handle.log_metrics({"time/stage_wall_s": time.perf_counter() - start})
+        if handle.run_id is not None:
+            try:
+                mlflow.end_run(status)
+            except UNREACHABLE:
+                pass  # the outbox keeps the status
+        if not handle._send(lambda: handle._client.set_terminated(handle.parent_id, "FINISHED")):
+            handle.outbox.finish(status)  # moves the parent's end time to this stage's end, once synced

@@ -1,0 +1,101 @@
+"""Where stage runs are recorded and how a pipeline's runs are found again: the tracking URI, the experiment, the
+parent run of a pipeline run, the tags that tie them together, and what a tracking server that cannot be
+reached raises.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import requests
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from eagle3ops.config import Config
+
+# A tracking server that is down must cost a stage seconds, not the minutes of MLflow's default retries.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+# Keep stdout for the stages' own output: no "View run ... at" line per run (an environment setting, so a user who
+# wants the links can still set it to false).
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+UNREACHABLE = (MlflowException, requests.exceptions.RequestException)  # what a down tracking server raises
+
+
+# MLflow's error codes for HTTP 401 and 403, whether the server sent them in JSON or as a bare status
+REFUSED_ERROR_CODES = frozenset({"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"})
+
+
+PIPELINE_KEY_TAG = "eagle3ops.pipeline_key"
+
+
+ROLE_TAG = "eagle3ops.role"  # "pipeline" on the parent, "stage" on children: both carry the pipeline key
+
+
+def project_root() -> Path:
+    """The repository root: DVC's when a stage runs under it, else the working directory."""
+    return Path(os.environ.get("DVC_ROOT") or os.getcwd()).absolute()
+
+
+def store_root(root: Path) -> Path:
+    """Queued and --temp experiments run in a copy under <repo>/.dvc/tmp/exps/: their runs belong in the
+    repository's own store, not in a copy that DVC deletes afterwards."""
+    parts = root.parts
+    if ".dvc" in parts:
+        at = parts.index(".dvc")
+        if parts[at + 1 : at + 3] == ("tmp", "exps"):
+            return Path(*parts[:at])
+    return root
+
+
+def default_uri(root: Path) -> str:
+    return f"sqlite:///{store_root(root) / 'mlflow.db'}"
+
+
+def tracking_uri(cfg: Config) -> str:
+    """Where runs are recorded: $MLFLOW_TRACKING_URI (it overrides, as in MLflow itself), else the config's
+    mlflow.tracking_uri, else mlflow.db at the repository root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or default_uri(project_root())
+
+
+def scrub(text: str) -> str:
+    """Hide the password of a URI (postgresql://user:secret@host -> postgresql://user:***@host)."""
+    return re.sub(r"(?<=://)([^/:@\s]+):[^@/\s]+@", r"\1:***@", text)
+
+
+def find_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another stage process created it just now
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str]) -> str:
+    """The pipeline's parent run, created FINISHED on first use."""
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`{ROLE_TAG}` = 'pipeline'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1,
+    )
+    if found:
+        run_id = found[0].info.run_id
+        for tag, value in tags.items():
+            client.set_tag(run_id, tag, value)
+        return run_id
+    run = client.create_run(experiment_id, run_name=name, tags={ROLE_TAG: "pipeline", **tags})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def credentials_refused(error: BaseException) -> bool:
+    """Whether the server answered 401/403, read from MLflow's error code: the message text is no guide, since a
+    refused connection names the port (which may well contain "401")."""
+    return isinstance(error, MlflowException) and error.error_code in REFUSED_ERROR_CODES
