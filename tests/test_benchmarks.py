@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from eagle3ops.config import PROMPT_SET_FORMATS, Config, ConfigError, PromptSetConfig, load_config
+from eagle3ops.config import Config, ConfigError, PromptSetConfig, PromptSetFormat, load_config
 from eagle3ops.data.benchmarks import PARSERS, load_set, load_sets
 from eagle3ops.data.conversations import DatasetError
 from eagle3ops.reporting.summary import markdown, plot_tau_by_set, tau_by_set_table
@@ -145,7 +145,7 @@ def test_bad_parquet_names_file_and_row(tmp_path):
 
 
 def test_formats_known_to_config_are_the_parsers():
-    assert tuple(PARSERS) == PROMPT_SET_FORMATS
+    assert tuple(PARSERS) == tuple(PromptSetFormat)
 
 
 def test_default_sets_are_the_zoo_families():
@@ -170,10 +170,10 @@ def params_with(tmp_path: Path, **eval_keys) -> Path:
     ({"sets": [{"name": "a", "path": "data/zoo/bench/a.jsonl"}, {"name": "a", "path": "data/zoo/bench/b.jsonl"}]},
      r"key 'eval.sets\[1\].name': 'a': every set needs a name of its own"),
     ({"sets": [{"name": "a", "path": "data/zoo/bench/a.jsonl", "format": "alpaca"}]},
-     r"key 'eval.sets\[0\].format': 'alpaca' is not one of"),
+     r"key 'eval.sets\[0\].format': 'alpaca' is not one of \['chat', 'prompt'"),
     ({"sets": [{"name": "a", "path": "data/zoo/bench/a.jsonl", "limit": 0}]}, r"key 'eval.sets\[0\].limit'"),
     ({"sets": []}, r"key 'eval.sets': name at least one prompt set"),
-    ({"backend": "tensorrt"}, r"key 'eval.backend': 'tensorrt' is not one of \('hf', 'vllm', 'sglang'\)"),
+    ({"backend": "tensorrt"}, r"key 'eval.backend': Invalid value 'tensorrt', expected one of \[hf, vllm, sglang\]"),
     ({"backend": "vllm"}, r"key 'eval.server_url': backend vllm measures on a running server"),
     ({"backend": "sglang", "server_url": "localhost:30000"}, r"key 'eval.server_url'.*'localhost:30000'"),
     ({"backend": "vllm", "server_url": "http://127.0.0.1:8000", "concurrency": 0}, r"key 'eval.concurrency'"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3ops.cli import main
-from eagle3ops.config import OptimConfig
+from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage, draft_to_target_ids
 from eagle3ops.formats.specforge import CheckpointError, load_drafter, read_weights, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
@@ -174,7 +174,7 @@ def test_optimizer_moments_continue_with_this_runs_settings(tmp_path, tiny_targe
     torch.save({"optimizer": old.state_dict(), "step": 1}, source / "training_state.pt")
     warm, _ = warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
     fresh_params = [p for p in warm.draft.parameters() if p.requires_grad]
-    ours = OptimConfig(lr=1e-4)
+    ours = DrafterTrainConfig(lr=1e-4)
     new = torch.optim.AdamW(fresh_params, lr=ours.lr, betas=tuple(ours.betas))
     continue_moments(new, warm.optimizer_state)
     assert new.param_groups[0]["lr"] == 1e-4 and new.param_groups[0]["betas"] == (0.9, 0.95)

@@ -327,10 +327,10 @@ def test_duplicates_and_missing_samples_are_refused(tmp_path, model, prepared, t
 
 
 @pytest.mark.parametrize(("extract", "key", "message"), [
-    ({"backend": "engine"}, "extract.backend", "'engine' is not one of"),
-    ({"backend": "import", "import_dir": None}, "extract.import_dir", "must be set with backend import"),
+    ({"backend": "engine"}, "extract.backend", r"Invalid value 'engine', expected one of \[hf, import\]"),
+    ({"backend": "import", "import_dir": None}, "extract.import_dir", "Incompatible value 'None' for field of type 'str'"),
     ({"backend": "import", "import_dir": "data/prepared"}, "extract.import_dir", "still names the prepared data"),
-    ({"import_format": "eagle"}, "extract.import_format", "'eagle' is not one of"),
+    ({"import_format": "eagle"}, "extract.import_format", r"Invalid value 'eagle', expected one of \[speculators"),
 ])
 def test_import_settings_are_validated(tmp_path, extract, key, message):
     path = tmp_path / "params.yaml"

@@ -87,7 +87,12 @@ def test_preset_fits_its_architecture_and_the_schema(name, tmp_path, params):
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_replaces_the_whole_drafter_shape(name, tmp_path, params):
     """A shape left in params.yaml from another target (here a head_dim) must not survive the preset."""
-    params.write_text(params.read_text().replace("train:\n", "train:\n  draft: {head_dim: 64, rope_theta: 5.0}\n", 1))
+    text = params.read_text()
+    for key, value in (("head_dim", "64"), ("rope_theta", "5.0")):  # in train.draft, the last of each in the file
+        at = text.rindex(f"    {key}: null")
+        text = text[:at] + f"    {key}: {value}" + text[at + len(f"    {key}: null"):]
+    params.write_text(text)
+    assert load_config(params).train.draft.head_dim == 64
     apply_preset(name, params, str(real_target(name, tmp_path / "target")))
     shape = load_config(params).train.draft
     assert asdict(shape) == dict(load_preset(name)["params"]["train"]["draft"])
@@ -122,7 +127,7 @@ def test_preset_command_sets_params_and_keeps_comments(tmp_path, params, capsys)
     assert cfg.train.warm_start == "models/Kimi-K2-eagle3" and cfg.target.chat_template == "kimi-k2"
     assert cfg.target.aux_layers == [3, 31, 59]  # the K2 drafter's SGLang ids [2, 30, 58], as HF indices
     text = params.read_text()
-    assert text.startswith("# eagle3ops parameters: one typed schema")  # the file's own comments stay
+    assert text.startswith("# eagle3ops parameters. Every key is here")  # the file's own comments stay
     assert "the K2 drafter's SGLang ids" in text  # and the preset's explain its values
     assert "revision: null" in text
 

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 from eagle3ops.config import (
-    DTYPES,
-    EVAL_DRAFTERS,
-    EXPORT_FORMATS,
-    TRAIN_INITS,
     Config,
     ConfigError,
+    DType,
+    EvalDrafter,
+    ExportFormat,
     TrainConfig,
+    TrainInit,
     load_config,
 )
 from eagle3ops.errors import InputError
@@ -46,11 +46,11 @@ def _export_options(export: argparse.ArgumentParser) -> None:
         "report ends with the launch commands.")
     export.add_argument("source", nargs="?", metavar="DRAFTER", help="the drafter directory to export (any layout)")
     export.add_argument("out", nargs="?", metavar="OUT", help="the export directory (replaced atomically)")
-    export.add_argument("--format", choices=EXPORT_FORMATS, help="the layout to write (with DRAFTER OUT)")
+    export.add_argument("--format", choices=list(ExportFormat), help="the layout to write (with DRAFTER OUT)")
     export.add_argument("--target", metavar="TARGET_DIR", help="the target model directory it is served with")
     export.add_argument("--speculative-tokens", type=int, default=3, metavar="K",
                         help="draft tokens per step in the launch commands and the speculators config (default: 3)")
-    export.add_argument("--dtype", choices=DTYPES, help="cast the weights, e.g. bfloat16 (default: keep them)")
+    export.add_argument("--dtype", choices=list(DType), help="cast the weights, e.g. bfloat16 (default: keep them)")
 
 
 def _store_options(command: argparse.ArgumentParser) -> None:
@@ -67,9 +67,9 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                          help="override one key, e.g. --set train.lr=3e-4 (repeatable)")
         if name == "train":
-            sub.add_argument("--init", choices=TRAIN_INITS, required=True, help="start from random weights or a drafter")
+            sub.add_argument("--init", choices=list(TrainInit), required=True, help="start from random weights or a drafter")
         if name == "eval":
-            sub.add_argument("--drafter", choices=EVAL_DRAFTERS, required=True,
+            sub.add_argument("--drafter", choices=list(EvalDrafter), required=True,
                              help="baseline = train.warm_start used as-is; scratch / warm_start = our trained drafters")
         if name == "export":
             _export_options(sub)
@@ -96,8 +96,8 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--runs", nargs="+", default=[], metavar="RUN_ID", help="pipeline (parent) run ids")
     source.add_argument("--filter", default="", metavar="MLFLOW_FILTER",
                         help="MLflow search over the pipeline runs, e.g. \"tags.`eagle3ops.pipeline_key` = 'lr-sweep'\"")
-    compare.add_argument("--variant", nargs="+", action="extend", default=[], choices=EVAL_DRAFTERS, metavar="V",
-                         help=f"only runs with these drafters ({', '.join(EVAL_DRAFTERS)}), and only their rows")
+    compare.add_argument("--variant", nargs="+", action="extend", default=[], choices=list(EvalDrafter), metavar="V",
+                         help=f"only runs with these drafters ({', '.join(EvalDrafter)}), and only their rows")
     compare.add_argument("--hardware", nargs="+", action="extend", default=[], metavar="LABEL",
                          help="only runs on these hardware labels")
     compare.add_argument("--last", type=int, metavar="N", help="the N newest matching runs (default: 5; all of --runs)")
@@ -189,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
                     "when it is invalid.")
     validate.add_argument("directory", metavar="DIR", help="the export directory")
     validate.add_argument("--target", required=True, metavar="TARGET_DIR", help="the target model directory")
-    validate.add_argument("--format", choices=EXPORT_FORMATS, help="the layout it must have (default: as found)")
+    validate.add_argument("--format", choices=list(ExportFormat), help="the layout it must have (default: as found)")
     validate.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     from eagle3ops.tracking.server import DESCRIPTION, add_arguments
 

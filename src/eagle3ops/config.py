@@ -1,19 +1,32 @@
-"""The one typed schema of `params.yaml`.
+"""The one typed schema of `params.yaml`: every key, its type, its choices and its default, in one place.
 
-Every stage reads its settings through `load_config()`; an unknown key or a value of the wrong type is
-rejected with the dotted key in the message, before any work starts.
+The defaults are the embedded default, and params.yaml spells out every one of them (tests/test_params.py holds
+the two equal): DVC tracks params.yaml key by key, so a default written only here would change results unseen.
+`load_config` rejects, before any work starts and naming the file and the key (or the line): YAML that does not
+parse, an unknown key, a value of the wrong type or outside its choices, and values that cannot work together.
+
+Each stage reads the config through `Config.for_stage`: the keys its dvc.yaml entry declares, the keys its paths
+interpolate, and the keys of NOT_LINEAGE. Reading any other key raises UndeclaredParamError naming it, so a
+stage never depends on a value whose change would not re-run it.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
+import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle3ops.decoding.settings import DecodingError, SpecSettings
+from eagle3ops.decoding.settings import DRAFT_SAMPLE_METHODS, DecodingError, SpecSettings
 from eagle3ops.errors import InputError
 
 
@@ -21,8 +34,65 @@ class ConfigError(InputError):
     """A params file that does not fit the schema."""
 
 
+class UndeclaredParamError(InputError):
+    """A stage read a params key that its dvc.yaml entry does not declare."""
+
+
+def choices(name: str, *values: str) -> type[StrEnum]:
+    """A str enum whose members are named by their values (`import` and `none` included), as params.yaml spells
+    them; its members compare equal to those strings."""
+    return StrEnum(name, {value: value for value in values})
+
+
+DType = choices("DType", "float32", "bfloat16", "float16")
+GenerateBackend = choices("GenerateBackend", "hf", "openai", "none")
+ExtractBackend = choices("ExtractBackend", "hf", "import")
+ImportFormat = choices("ImportFormat", "speculators", "specforge")
+TrainInit = choices("TrainInit", "scratch", "warm_start")
+WarmStartVocab = choices("WarmStartVocab", "keep", "remap")
+EvalDrafter = choices("EvalDrafter", "baseline", "scratch", "warm_start")
+EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
+PromptSetFormat = choices("PromptSetFormat", "chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
+DraftSampleMethod = choices("DraftSampleMethod", *DRAFT_SAMPLE_METHODS)
+ExportFormat = choices("ExportFormat", "sglang", "speculators")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
+
+# Where and how the stages run, not what they compute: no stage declares these, and changing one re-runs nothing
+# (`dvc repro --force` or `dvc exp run --force` measures the same pipeline on other hardware).
+NOT_LINEAGE = ("threads", "target.device", "target.device_map", "target.max_memory", "hardware", "mlflow")
+
+
+class Section:
+    """A params section. In a stage's view (`Config.for_stage`) reading a key the stage has not declared raises."""
+
+    def __getattribute__(self, name: str) -> Any:
+        hidden = object.__getattribute__(self, "__dict__").get("_undeclared")
+        if hidden is not None and name in hidden[1]:
+            stage, key = hidden[0], hidden[1][name]
+            raise UndeclaredParamError(f"{stage} reads params key '{key}', which its entry in dvc.yaml does not "
+                                       f"declare: add it to the stage's params, or a change to it would not re-run "
+                                       f"the stage")
+        return object.__getattribute__(self, name)
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        """(field, reason) for every value of this section that cannot work."""
+        return iter(())
+
+
+def _inside_project(value: str) -> bool:
+    """Stages replace whole output directories: never outside the project."""
+    path = Path(value)
+    return bool(path.parts) and not path.is_absolute() and ".." not in path.parts
+
+
+def _outputs_inside_project(section: Section, *names: str) -> Iterator[tuple[str, str]]:
+    for name in names:
+        if not _inside_project(getattr(section, name)):
+            yield name, f"{getattr(section, name)!r} must be a path inside the project (relative, without '..')"
+
+
 @dataclass
-class TinyLlamaConfig:
+class TinyLlamaConfig(Section):
     """Shape of a zoo target (a Llama-architecture causal LM)."""
     hidden_size: int = 64
     num_hidden_layers: int = 8
@@ -34,7 +104,7 @@ class TinyLlamaConfig:
 
 
 @dataclass
-class LMTrainConfig:
+class LMTrainConfig(Section):
     """Plain next-token training of a zoo target."""
     steps: int = 600
     batch_size: int = 16
@@ -45,7 +115,7 @@ class LMTrainConfig:
 
 
 @dataclass
-class DraftShapeConfig:
+class DraftShapeConfig(Section):
     """Drafter shape; null means 'same as the target'. The hidden size is always the target's: the drafter
     reads the target's (frozen) token embeddings."""
     intermediate_size: Optional[int] = None
@@ -57,8 +127,9 @@ class DraftShapeConfig:
 
 
 @dataclass
-class OptimConfig:
-    """Drafter optimisation (AdamW, linear warmup then cosine decay, gradient clipping)."""
+class DrafterTrainConfig(Section):
+    """Drafter training: AdamW, linear warmup then cosine decay, gradient clipping, and the training-time test
+    (TTT): `ttt_steps` draft steps, each step's loss weighted by loss_decay**k."""
     epochs: int = 1
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
     batch_size: int = 8
@@ -69,36 +140,42 @@ class OptimConfig:
     grad_clip: float = 0.5
     log_every: int = 10
     checkpoint_every: int = 100  # steps between resume points (0 = none); see resume.py
-
-
-@dataclass
-class DrafterTrainConfig(OptimConfig):
-    """Training-time test settings on top of the optimiser."""
     ttt_steps: int = 7
     loss_decay: float = 0.8
     draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        if len(self.betas) != 2:
+            yield "betas", "needs two values"
+        if self.batch_size < 1 or self.epochs < 1:
+            yield "batch_size", "batch_size and epochs must be positive"
+        if self.ttt_steps < 1:
+            yield "ttt_steps", "must be at least 1"
+
 
 @dataclass
-class ZooConfig:
+class ZooConfig(Section):
     """The embedded default: a tokenizer, two tiny targets, the predecessor's drafter and the datasets."""
     dir: str = "models/zoo"
     data_dir: str = "data/zoo"
     tokenizer_vocab_size: int = 512
     pretrain_conversations: int = 4000
-    conversations: int = 1200
+    conversations: int = 1200  # the drafter-training dataset, written in a "public dataset" style
     eval_prompts_per_family: int = 10
-    target: TinyLlamaConfig = field(default_factory=TinyLlamaConfig)
-    predecessor_training: LMTrainConfig = field(default_factory=LMTrainConfig)
-    successor_training: LMTrainConfig = field(default_factory=lambda: LMTrainConfig(steps=300, lr=2e-3))
     max_len: int = 384
     draft_vocab_size: int = 256
     drafter_conversations: int = 800
+    target: TinyLlamaConfig = field(default_factory=TinyLlamaConfig)
+    predecessor_training: LMTrainConfig = field(default_factory=LMTrainConfig)
+    successor_training: LMTrainConfig = field(default_factory=lambda: LMTrainConfig(steps=300, lr=2e-3))
     drafter_training: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(epochs=4, lr=3e-3))
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _outputs_inside_project(self, "dir", "data_dir")
 
 
 @dataclass
-class TargetConfig:
+class TargetConfig(Section):
     path: str = "models/zoo/successor"
     # Who the target is, for the lineage: DVC re-runs the stages that use the target when these change, and every
     # stage run logs them with the digest of the target's config and tokenizer files (modeling/identity.py).
@@ -110,11 +187,11 @@ class TargetConfig:
     # Indices into Hugging Face's `output_hidden_states` tuple (0 = embeddings, i = output of decoder layer i-1).
     # null = [2, N//2, N-3]. See README, "Which layers".
     aux_layers: Optional[list[int]] = None
-    dtype: str = "float32"
+    dtype: DType = DType.float32
     device: str = "auto"
-    # Layer-wise placement of a target too big for one GPU (README, "Several GPUs"), given to from_pretrained:
-    # null = the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module name: GPU index,
-    # "cpu" or "disk"}. max_memory caps each device, e.g. {0: 120GiB, 1: 120GiB, cpu: 200GiB}.
+    # Layer-wise placement of a target too big for one GPU (docs/gpus.md), given to from_pretrained: null = the
+    # whole model on `device`; one of DEVICE_MAPS, or {module name: GPU index, "cpu" or "disk"}. max_memory caps
+    # each device, e.g. {0: 120GiB, 1: 120GiB, cpu: 200GiB}.
     device_map: Any = None
     max_memory: Optional[dict] = None
     trust_remote_code: bool = False  # run the model repository's own Python code; only for sources you trust
@@ -122,17 +199,34 @@ class TargetConfig:
     # data/chat.py); or the path of a .jinja file in the project. A configured one overrides the tokenizer's.
     chat_template: Optional[str] = None
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.aux_layers is not None and len(self.aux_layers) != 3:
+            yield "aux_layers", f"EAGLE-3 fuses exactly three layers, got {self.aux_layers}"
+        placement = self.device_map
+        if placement is not None and not (placement in DEVICE_MAPS or (isinstance(placement, dict) and placement)):
+            yield "device_map", f"{placement!r} is not one of {DEVICE_MAPS}, a {{module name: device}} mapping or null"
+        if self.max_memory is not None and placement is None:
+            yield "max_memory", "caps the devices of a target.device_map placement; set target.device_map too"
+
 
 @dataclass
-class DataConfig:
-    conversations: str = "data/zoo/conversations.jsonl"
+class DataConfig(Section):
+    conversations: str = "data/zoo/conversations.jsonl"  # ShareGPT `conversations` or OpenAI `messages` JSONL
     max_len: int = 384
     eval_fraction: float = 0.05
-    draft_vocab_size: int = 256
+    draft_vocab_size: int = 256  # 32000 for real targets
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            yield "eval_fraction", "must be in [0, 1)"
+        if self.max_len < 8:
+            yield "max_len", "must be at least 8"
+        if self.draft_vocab_size < 1:
+            yield "draft_vocab_size", "must be positive"
 
 
 @dataclass
-class OpenAIEndpointConfig:
+class OpenAIEndpointConfig(Section):
     """A running OpenAI-compatible server (vLLM, SGLang, `transformers serve`) serving the target."""
     base_url: str = "http://127.0.0.1:8000/v1"  # what precedes /chat/completions
     model: Optional[str] = None  # null = the one model the server lists at /models
@@ -142,43 +236,74 @@ class OpenAIEndpointConfig:
     timeout_s: float = 600.0  # per request
     extra_body: Optional[dict] = None  # merged into every request, e.g. {chat_template_kwargs: {enable_thinking: true}}
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        if not self.base_url.startswith(("http://", "https://")):
+            yield "base_url", f"{self.base_url!r} is not an http(s) URL"
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            yield "api_key_env", "must be the name of an environment variable (e.g. OPENAI_API_KEY), never the key itself"
+        if self.concurrency < 1 or self.max_retries < 0 or self.timeout_s <= 0:
+            yield "concurrency", "concurrency must be at least 1, max_retries at least 0, timeout_s positive"
+
 
 @dataclass
-class GenerateConfig:
-    backend: str = "hf"  # hf | openai | none
+class GenerateConfig(Section):
+    # hf: the target rewrites the answers here; openai: a server does (generate.openai); none: keep the dataset's
+    # own answers ("raw prefill")
+    backend: GenerateBackend = GenerateBackend.hf
     out: str = "data/generated/conversations.jsonl"
     batch_size: int = 32
     chunk_size: int = 256  # conversations per resumable chunk
     max_new_tokens: int = 160
     temperature: float = 0.0
-    openai: OpenAIEndpointConfig = field(default_factory=OpenAIEndpointConfig)  # backend openai
+    openai: OpenAIEndpointConfig = field(default_factory=OpenAIEndpointConfig)
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _outputs_inside_project(self, "out")
 
 
 @dataclass
-class PrepareConfig:
+class PrepareConfig(Section):
     out_dir: str = "data/prepared"
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _outputs_inside_project(self, "out_dir")
+
 
 @dataclass
-class ExtractConfig:
+class ExtractConfig(Section):
     out_dir: str = "data/features"
     batch_size: int = 16
+    # The tiny default: 4 shards, 120 MB in all; at scale aim for 1-4 GB a shard (docs/team.md)
     samples_per_shard: int = 512
-    dtype: str = "float32"
+    dtype: DType = DType.float32
     max_nonfinite_fraction: float = 0.01  # samples with NaN/inf states are skipped; above this share, fail
-    backend: str = "hf"  # hf: run the target here; import: take a serving engine's output (extraction/imported.py)
-    import_dir: Optional[str] = None  # backend import: the speculators / SpecForge output directory
-    import_format: Optional[str] = None  # speculators | specforge; null = detect from the file names
+    backend: ExtractBackend = ExtractBackend.hf  # hf: run the target here; import: a serving engine's output
+    # backend import: the speculators / SpecForge output directory (extraction/imported.py). A DVC dep of extract:
+    # with backend hf it names the prepared data, already a dep, so that the path exists
+    import_dir: str = "data/prepared"
+    import_format: Optional[ImportFormat] = None  # null = detect from the file names
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _outputs_inside_project(self, "out_dir")
 
 
 @dataclass
-class SimulateConfig:
-    """The acceptance simulator during training (training/simulation.py): greedy chain speculative decoding of the
-    drafter being trained, on the first `prompts` held-out prompts, every `every` steps and at the end."""
-    every: int = 0  # optimizer steps between measurements; 0 = off (it loads the whole target beside training)
+class SimulateConfig(Section):
+    """The acceptance simulator during training (training/simulation.py): greedy chain speculative decoding of
+    the drafter being trained, on the first `prompts` held-out prompts, every `every` steps and at the end."""
+    # optimizer steps between measurements; 0 = off: it loads the whole target beside training, which a real
+    # target may not leave room for
+    every: int = 200
     prompts: int = 8
     k: int = 3
     max_new_tokens: int = 48
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.every < 0:
+            yield "every", "must be 0 (off) or more"
+        for name in ("prompts", "k", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                yield name, "must be at least 1"
 
 
 @dataclass
@@ -186,18 +311,28 @@ class TrainConfig(DrafterTrainConfig):
     out_dir: str = "models/drafters"
     warm_start: str = "models/zoo/predecessor-drafter"  # the drafter `train@warm_start` fine-tunes
     # keep: its own draft vocabulary (d2t/t2d) and head; remap: re-head it on the new data's draft vocabulary
-    warm_start_vocab: str = "keep"
+    warm_start_vocab: WarmStartVocab = WarmStartVocab.keep
     warm_start_optimizer: bool = False  # continue its AdamW moments (needs its training_state.pt; keep only)
     warm_start_min_coverage: float = 0.9  # below this draft-vocab coverage of the new data: "needs a new head"
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    epochs: int = 6
+    lr: float = 3e-3
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from super().check()
+        yield from _outputs_inside_project(self, "out_dir")
+        if not 0.0 <= self.warm_start_min_coverage <= 1.0:
+            yield "warm_start_min_coverage", "must be in [0, 1]"
 
 
 @dataclass
-class PromptSetConfig:
+class PromptSetConfig(Section):
     """One named benchmark set: a JSONL or Parquet file of prompts or conversations (data/benchmarks.py)."""
     name: str = ""
     path: str = ""
-    format: Optional[str] = None  # chat | prompt | mtbench | gsm8k | humaneval | math500; null = from the fields
+    # one of PromptSetFormat, null = from the first record's fields; a str checked by EvalConfig.check, since
+    # OmegaConf's message for an enum inside a list element would not say which element
+    format: Optional[str] = None
     limit: Optional[int] = None  # the first N prompts of the file; null = eval.max_prompts
 
 
@@ -208,47 +343,87 @@ def _zoo_prompt_sets() -> list[PromptSetConfig]:
 
 
 @dataclass
-class EvalConfig:
-    k: int = 3
+class EvalConfig(Section):
+    k: int = 3  # draft tokens per verification
     max_new_tokens: int = 96
     max_prompts: Optional[int] = None  # per set, for sets without a `limit`; null = all
+    # named prompt sets (README, "Benchmark sets"); tau is reported per set and overall
     sets: list[PromptSetConfig] = field(default_factory=_zoo_prompt_sets)
     sets_dir: str = "data/zoo/bench"  # what dvc.yaml tracks for eval: every set's file must be inside it
     # hf: decode here with the target; vllm | sglang: measure on a running server launched with the drafter
-    backend: str = "hf"
+    backend: EvalBackend = EvalBackend.hf
     server_url: Optional[str] = None  # the engine's base URL, e.g. http://127.0.0.1:8000
     concurrency: int = 8  # engine backends: requests in flight at once
-    temperature: float = 0.0  # 0 = greedy; the requests' (engine backends) or the decoding's (hf) temperature
+    temperature: float = 0.0  # 0 = greedy (checked token for token against the target); sampled keeps its distribution
     # hf backend (decoding/settings.py says more): the target's nucleus; tree branching and tokens per
     # verification, root included (SGLang's --speculative-eagle-topk, --speculative-num-draft-tokens; null =
     # k + 1 for a chain, 1 + k * topk for a tree); drafts greedy | probabilistic (vLLM's draft_sample_method)
     top_p: float = 1.0
     topk: int = 1
     num_draft_tokens: Optional[int] = None
-    draft_sample_method: str = "greedy"
+    draft_sample_method: DraftSampleMethod = DraftSampleMethod.greedy
     batch_size: int = 1  # hf backend: prompts decoded together
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        try:
+            SpecSettings.from_config(self)  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method
+        except DecodingError as err:
+            yield err.key, err.reason
+        if self.batch_size < 1:
+            yield "batch_size", "must be at least 1"
+        if self.backend != EvalBackend.hf and not (self.server_url or "").startswith(("http://", "https://")):
+            yield "server_url", (f"backend {self.backend} measures on a running server: give its base URL "
+                                 f"(http://host:port), got {self.server_url!r}")
+        if self.concurrency < 1:
+            yield "concurrency", "must be at least 1"
+        if self.max_prompts is not None and self.max_prompts < 1:
+            yield "max_prompts", "must be at least 1 (or null: all)"
+        if not self.sets:
+            yield "sets", "name at least one prompt set"
+        seen = set()
+        for i, prompt_set in enumerate(self.sets):
+            if not prompt_set.name or prompt_set.name in seen:
+                yield f"sets[{i}].name", f"{prompt_set.name!r}: every set needs a name of its own"
+            seen.add(prompt_set.name)
+            if Path(self.sets_dir) not in Path(prompt_set.path).parents:  # DVC tracks the directory, not the files
+                yield f"sets[{i}].path", (f"{prompt_set.path!r} is not inside eval.sets_dir ({self.sets_dir!r}), the "
+                                          f"directory dvc.yaml tracks for the eval stage")
+            if prompt_set.format is not None and prompt_set.format not in list(PromptSetFormat):
+                yield f"sets[{i}].format", (f"{prompt_set.format!r} is not one of {[str(f) for f in PromptSetFormat]} "
+                                            f"(or null: detect)")
+            if prompt_set.limit is not None and prompt_set.limit < 1:
+                yield f"sets[{i}].limit", "must be at least 1 (or null: eval.max_prompts)"
+
 
 @dataclass
-class ReportConfig:
+class ReportConfig(Section):
     out_dir: str = "reports"
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _outputs_inside_project(self, "out_dir")
+
 
 @dataclass
-class ExportConfig:
+class ExportConfig(Section):
     """The trained drafter written in the layouts the serving engines load, validated against the target."""
-    drafter: str = "warm_start"  # which of train's drafters: scratch | warm_start
+    drafter: TrainInit = TrainInit.warm_start  # which of train's drafters
     out_dir: str = "models/export"  # one subdirectory per format, and SERVING.md with the launch commands
-    formats: list[str] = field(default_factory=lambda: ["sglang", "speculators"])  # sglang | speculators
+    # sglang: SGLang's --speculative-draft-model-path; speculators: `vllm serve DIR`
+    formats: list[ExportFormat] = field(default_factory=lambda: [ExportFormat.sglang, ExportFormat.speculators])
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _outputs_inside_project(self, "out_dir")
+        if not self.formats or len(set(self.formats)) != len(self.formats):
+            yield "formats", f"{[str(f) for f in self.formats]} must be distinct formats, at least one"
 
 
 @dataclass
-class HardwareConfig:
-    label: Optional[str] = None  # null = derived from the fingerprint, e.g. "cpu-2c" or "1xH200"
+class HardwareConfig(Section):
+    label: Optional[str] = None  # e.g. H200, 8xRTXPRO6000-pcie; null = derived from the machine, e.g. cpu-2c
 
 
 @dataclass
-class MlflowConfig:
+class MlflowConfig(Section):
     experiment: str = "eagle3ops"
     tracking_uri: Optional[str] = None  # null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the repo root
     system_metrics: bool = True  # CPU/RAM/disk, and GPU utilisation, memory and power through nvidia-ml-py
@@ -256,7 +431,7 @@ class MlflowConfig:
 
 
 @dataclass
-class Config:
+class Config(Section):
     seed: int = 0
     threads: Optional[int] = None  # torch CPU threads; null = torch's default
     zoo: ZooConfig = field(default_factory=ZooConfig)
@@ -272,135 +447,118 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.extract.backend == ExtractBackend("import") and Path(self.extract.import_dir) == Path(self.prepare.out_dir):
+            yield "extract.import_dir", (f"still names the prepared data ({self.prepare.out_dir}); with backend import "
+                                         f"point it at the serving engine's output")
 
-GENERATE_BACKENDS = ("hf", "openai", "none")
-EXTRACT_BACKENDS = ("hf", "import")
-IMPORT_FORMATS = ("speculators", "specforge")
-TRAIN_INITS = ("scratch", "warm_start")
-WARM_START_VOCABS = ("keep", "remap")
-EVAL_DRAFTERS = ("baseline", "scratch", "warm_start")
-EVAL_BACKENDS = ("hf", "vllm", "sglang")
-PROMPT_SET_FORMATS = ("chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
-EXPORT_FORMATS = ("sglang", "speculators")  # SGLang's layout (SpecForge's, ours) and vllm-project/speculators'
+    def for_stage(self, stage: str, readable: Iterable[str]) -> Config:
+        """This config as `stage` may read it: the keys of `readable` (dotted; a section stands for all its keys)
+        and of NOT_LINEAGE; reading any other raises UndeclaredParamError."""
+        readable = {*readable, *NOT_LINEAGE}
+        view = _restricted(self, "", stage, readable)
+        object.__setattr__(view, "_stage", (self, readable))
+        return view
+
+    def stage_params(self) -> dict[str, Any]:
+        """{dotted key: value} of every key the stage may read (all of them outside a stage's view); sections
+        are spelled out, other values kept whole (a list, a mapping)."""
+        full, readable = self.__dict__.get("_stage", (self, None))
+        flat = _flatten(full, "")
+        return flat if readable is None else {key: value for key, value in flat.items() if _covered(key, readable)}
+
+    def digest(self) -> str:
+        """Short hash of the whole resolved config: equal digests mean the same parameters everywhere."""
+        full, _ = self.__dict__.get("_stage", (self, None))
+        return _digest(_flatten(full, ""))
+
+    def stage_digest(self) -> str:
+        """Short hash of the keys the stage may read, less NOT_LINEAGE: what its results depend on."""
+        return _digest({key: value for key, value in self.stage_params().items() if not _covered(key, NOT_LINEAGE)})
+
+
+def _digest(values: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _plain(value: Any) -> Any:
+    """A value as params.yaml spells it: enums as their strings, sections in lists as mappings."""
+    if isinstance(value, Section):
+        return {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value) if isinstance(value, StrEnum) else value
+
+
+def _flatten(section: Section, prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if isinstance(value, Section):
+            flat.update(_flatten(value, f"{prefix}{item.name}."))
+        else:
+            flat[f"{prefix}{item.name}"] = _plain(value)
+    return flat
+
+
+def _covered(key: str, readable: Iterable[str]) -> bool:
+    """Whether `key` is one of `readable` or inside a section of it."""
+    return any(key == name or key.startswith(f"{name}.") for name in readable)
+
+
+def _restricted(section: Section, prefix: str, stage: str, readable: set[str]) -> Section:
+    view = copy.copy(section)
+    hidden = {}
+    for item in dataclasses.fields(section):
+        key = f"{prefix}{item.name}"
+        if _covered(key, readable):
+            continue
+        value = getattr(section, item.name)
+        if isinstance(value, Section) and any(name.startswith(f"{key}.") for name in readable):
+            object.__setattr__(view, item.name, _restricted(value, f"{key}.", stage, readable))
+        else:
+            hidden[item.name] = key
+    if hidden:
+        object.__setattr__(view, "_undeclared", (stage, hidden))
+    return view
+
+
+def _checks(section: Section, prefix: str) -> Iterator[tuple[str, str]]:
+    """Every section's own checks, with the dotted key of what fails."""
+    for name, reason in section.check():
+        yield f"{prefix}{name}", reason
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if isinstance(value, Section):
+            yield from _checks(value, f"{prefix}{item.name}.")
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return ConfigError(f"{where}: not valid YAML: {problem}")
 
 
 def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
-    """Merge `path` (and `key=value` overrides) over the schema; raise ConfigError naming the bad key."""
+    """Merge `path` (and `key=value` overrides) over the schema; raise ConfigError naming the file and the bad
+    key, or the line of a YAML syntax error."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found")
-    schema = OmegaConf.structured(Config)
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(overrides or []))
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise _yaml_error(path, err) from None
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), loaded, OmegaConf.from_dotlist(overrides or []))
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
-        raise ConfigError(f"{path}: {'key ' + repr(key) + ': ' if key else ''}{err.msg if hasattr(err, 'msg') else err}") from None
-    _check_values(cfg, path)
+        message = err.msg if hasattr(err, "msg") else str(err)
+        raise ConfigError(f"{path}: {'key ' + repr(key) + ': ' if key else ''}{message.splitlines()[0]}") from None
+    for key, reason in [*_checks(cfg, ""), *cfg.check()]:
+        raise ConfigError(f"{path}: key '{key}': {reason}")
     return cfg
-
-
-def _check_values(cfg: Config, path: Path) -> None:
-    def fail(key: str, message: str) -> None:
-        raise ConfigError(f"{path}: key '{key}': {message}")
-
-    outputs = {"zoo.dir": cfg.zoo.dir, "zoo.data_dir": cfg.zoo.data_dir, "generate.out": cfg.generate.out,
-               "prepare.out_dir": cfg.prepare.out_dir, "extract.out_dir": cfg.extract.out_dir,
-               "train.out_dir": cfg.train.out_dir, "report.out_dir": cfg.report.out_dir,
-               "export.out_dir": cfg.export.out_dir}
-    for key, value in outputs.items():  # stages replace whole output directories: never outside the project
-        if Path(value).is_absolute() or ".." in Path(value).parts or not Path(value).parts:
-            fail(key, f"{value!r} must be a path inside the project (relative, without '..')")
-    if cfg.generate.backend not in GENERATE_BACKENDS:
-        fail("generate.backend", f"{cfg.generate.backend!r} is not one of {GENERATE_BACKENDS}")
-    endpoint = cfg.generate.openai
-    if not endpoint.base_url.startswith(("http://", "https://")):
-        fail("generate.openai.base_url", f"{endpoint.base_url!r} is not an http(s) URL")
-    if endpoint.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", endpoint.api_key_env):
-        fail("generate.openai.api_key_env", "must be the name of an environment variable (e.g. OPENAI_API_KEY), "
-                                            "never the key itself")
-    if endpoint.concurrency < 1 or endpoint.max_retries < 0 or endpoint.timeout_s <= 0:
-        fail("generate.openai", "concurrency must be at least 1, max_retries at least 0, timeout_s positive")
-    if cfg.extract.backend not in EXTRACT_BACKENDS:
-        fail("extract.backend", f"{cfg.extract.backend!r} is not one of {EXTRACT_BACKENDS}")
-    if cfg.extract.import_format is not None and cfg.extract.import_format not in IMPORT_FORMATS:
-        fail("extract.import_format", f"{cfg.extract.import_format!r} is not one of {IMPORT_FORMATS} (or null: detect)")
-    if cfg.extract.backend == "import":
-        if not cfg.extract.import_dir:
-            fail("extract.import_dir", "must be set with backend import: the speculators / SpecForge output directory")
-        if Path(cfg.extract.import_dir) == Path(cfg.prepare.out_dir):
-            fail("extract.import_dir", f"still names the prepared data ({cfg.prepare.out_dir}); with backend import "
-                                       f"point it at the generator's output")
-    for key, value in (("target.dtype", cfg.target.dtype), ("extract.dtype", cfg.extract.dtype)):
-        if value not in DTYPES:
-            fail(key, f"{value!r} is not one of {DTYPES}")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        fail("data.eval_fraction", "must be in [0, 1)")
-    if cfg.data.max_len < 8:
-        fail("data.max_len", "must be at least 8")
-    if cfg.data.draft_vocab_size < 1:
-        fail("data.draft_vocab_size", "must be positive")
-    if cfg.target.aux_layers is not None and len(cfg.target.aux_layers) != 3:
-        fail("target.aux_layers", f"EAGLE-3 fuses exactly three layers, got {cfg.target.aux_layers}")
-    placement = cfg.target.device_map
-    if placement is not None and not (placement in DEVICE_MAPS or (isinstance(placement, dict) and placement)):
-        fail("target.device_map", f"{placement!r} is not one of {DEVICE_MAPS}, a {{module name: device}} mapping or null")
-    if cfg.target.max_memory is not None and placement is None:
-        fail("target.max_memory", "caps the devices of a target.device_map placement; set target.device_map too")
-
-    if cfg.train.warm_start_vocab not in WARM_START_VOCABS:
-        fail("train.warm_start_vocab", f"{cfg.train.warm_start_vocab!r} is not one of {WARM_START_VOCABS}")
-    for key in ("every", "prompts", "k", "max_new_tokens"):
-        if getattr(cfg.train.simulate, key) < (0 if key == "every" else 1):
-            fail(f"train.simulate.{key}", "must be " + ("0 (off) or more" if key == "every" else "at least 1"))
-    if not 0.0 <= cfg.train.warm_start_min_coverage <= 1.0:
-        fail("train.warm_start_min_coverage", "must be in [0, 1]")
-    if cfg.export.drafter not in TRAIN_INITS:
-        fail("export.drafter", f"{cfg.export.drafter!r} is not one of {TRAIN_INITS} (the drafters train writes)")
-    formats = cfg.export.formats
-    if not formats or len(set(formats)) != len(formats) or not set(formats) <= set(EXPORT_FORMATS):
-        fail("export.formats", f"{formats} must be distinct values from {EXPORT_FORMATS}, at least one")
-    _check_eval(cfg, fail)
-    for key, recipe in (("train", cfg.train), ("zoo.drafter_training", cfg.zoo.drafter_training)):
-        if len(recipe.betas) != 2:
-            fail(f"{key}.betas", "needs two values")
-        if recipe.batch_size < 1 or recipe.epochs < 1:
-            fail(f"{key}.batch_size", "batch_size and epochs must be positive")
-        if recipe.ttt_steps < 1:
-            fail(f"{key}.ttt_steps", "must be at least 1")
-
-
-def _check_eval(cfg: Config, fail) -> None:
-    ev = cfg.eval
-    try:
-        SpecSettings.from_config(ev)  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method
-    except DecodingError as err:
-        fail(f"eval.{err.key}", err.reason)
-    if ev.batch_size < 1:
-        fail("eval.batch_size", "must be at least 1")
-    if ev.backend not in EVAL_BACKENDS:
-        fail("eval.backend", f"{ev.backend!r} is not one of {EVAL_BACKENDS}")
-    if ev.backend != "hf" and not (ev.server_url or "").startswith(("http://", "https://")):
-        fail("eval.server_url", f"backend {ev.backend} measures on a running server: give its base URL "
-                                f"(http://host:port), got {ev.server_url!r}")
-    if ev.concurrency < 1:
-        fail("eval.concurrency", "must be at least 1")
-    if not ev.sets:
-        fail("eval.sets", "name at least one prompt set")
-    sets_dir, seen = Path(ev.sets_dir), set()
-    for i, prompt_set in enumerate(ev.sets):
-        key = f"eval.sets[{i}]"
-        if not prompt_set.name or prompt_set.name in seen:
-            fail(f"{key}.name", f"{prompt_set.name!r}: every set needs a name of its own")
-        seen.add(prompt_set.name)
-        if sets_dir not in Path(prompt_set.path).parents:  # DVC tracks the directory, not a list of files
-            fail(f"{key}.path", f"{prompt_set.path!r} is not inside eval.sets_dir ({ev.sets_dir!r}), the directory "
-                                f"dvc.yaml tracks for the eval stage")
-        if prompt_set.format is not None and prompt_set.format not in PROMPT_SET_FORMATS:
-            fail(f"{key}.format", f"{prompt_set.format!r} is not one of {PROMPT_SET_FORMATS} (or null: detect)")
-        if prompt_set.limit is not None and prompt_set.limit < 1:
-            fail(f"{key}.limit", "must be at least 1 (or null: eval.max_prompts)")
-    if ev.max_prompts is not None and ev.max_prompts < 1:
-        fail("eval.max_prompts", "must be at least 1 (or null: all)")

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 
-from eagle3ops.config import PROMPT_SET_FORMATS, PromptSetConfig
+from eagle3ops.config import PromptSetConfig, PromptSetFormat
 from eagle3ops.data.conversations import DatasetError, normalise, read_jsonl
 
 ID_FIELDS = ("id", "question_id", "task_id", "unique_id")
@@ -64,7 +64,7 @@ PARSERS: dict[str, Callable[[dict, str], list[dict]]] = {
     "gsm8k": lambda record, where: _user(_text(record, "question", "gsm8k", where)),
     "humaneval": lambda record, where: _user(_text(record, "prompt", "humaneval", where)),
     "math500": lambda record, where: _user(_text(record, "problem", "math500", where)),
-}  # keyed by config.PROMPT_SET_FORMATS, the names `format` is checked against
+}  # keyed by config.PromptSetFormat, the names `format` is checked against
 
 
 def detect_format(record: dict, where: str) -> str:
@@ -77,7 +77,7 @@ def detect_format(record: dict, where: str) -> str:
     if "prompt" in record:
         return "humaneval" if "task_id" in record else "prompt"
     raise DatasetError(f"{where}: cannot tell the format from the fields {sorted(record)}; set the set's "
-                       f"`format` to one of {PROMPT_SET_FORMATS}")
+                       f"`format` to one of {[str(f) for f in PromptSetFormat]}")
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, str, dict]]:

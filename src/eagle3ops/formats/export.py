@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from eagle3ops.config import DTYPES, EXPORT_FORMATS
+from eagle3ops.config import DType, ExportFormat
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_drafter, read_json
 from eagle3ops.formats.conventions import CONVENTIONS, from_hf
@@ -39,10 +39,10 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
     """Write the drafter in `drafter_dir` to `out_dir` in layout `fmt` for the target in `target_dir`; returns the
     validation report (warnings, notes, launch commands). `dtype`: cast the weights (None: keep them).
     `served_as`: the path the launch commands name, when `out_dir` is moved there afterwards."""
-    if fmt not in EXPORT_FORMATS:
-        raise InputError(f"export format {fmt!r} is not one of {EXPORT_FORMATS}")
-    if dtype is not None and dtype not in DTYPES:
-        raise InputError(f"export dtype {dtype!r} is not one of {DTYPES}")
+    if fmt not in list(ExportFormat):
+        raise InputError(f"export format {fmt!r} is not one of {[str(f) for f in ExportFormat]}")
+    if dtype is not None and dtype not in list(DType):
+        raise InputError(f"export dtype {dtype!r} is not one of {[str(d) for d in DType]}")
     if speculative_tokens < 1:
         raise InputError(f"speculative tokens must be at least 1, got {speculative_tokens}")
     checkpoint = read_drafter(drafter_dir)

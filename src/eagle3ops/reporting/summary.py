@@ -9,16 +9,16 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS
+from eagle3ops.config import EvalDrafter, TrainInit
 
-STAGES = ("zoo", "generate", "prepare", "extract", *(f"train-{i}" for i in TRAIN_INITS),
-          *(f"eval-{d}" for d in EVAL_DRAFTERS))
-COLORS = dict(zip(EVAL_DRAFTERS, ("#999999", "#1f77b4", "#ff7f0e")))
+STAGES = ("zoo", "generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
+          *(f"eval-{d}" for d in EvalDrafter))
+COLORS = dict(zip(EvalDrafter, ("#999999", "#1f77b4", "#ff7f0e")))
 
 
 def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
     rows = []
-    for drafter in EVAL_DRAFTERS:
+    for drafter in EvalDrafter:
         m = metrics.get(f"eval-{drafter}")
         if m is None:
             continue
@@ -34,7 +34,7 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
 
 def tau_by_set_table(metrics: dict[str, dict]) -> pd.DataFrame:
     """One row per benchmark set (its prompts, each drafter's tau), then the overall row."""
-    evals = {d: metrics[f"eval-{d}"] for d in EVAL_DRAFTERS if f"eval-{d}" in metrics}
+    evals = {d: metrics[f"eval-{d}"] for d in EvalDrafter if f"eval-{d}" in metrics}
     names = list(dict.fromkeys(name for m in evals.values() for name in m.get("tau_by_set", {})))
     rows = [{"set": name,
              "prompts": next((m["prompts_by_set"][name] for m in evals.values() if name in m.get("prompts_by_set", {})),
@@ -49,7 +49,7 @@ def tau_by_set_table(metrics: dict[str, dict]) -> pd.DataFrame:
 def plot_tau_by_set(metrics: dict[str, dict], path: Path) -> None:
     """Grouped bars: tau of every drafter on every benchmark set, and overall."""
     table = tau_by_set_table(metrics)
-    drafters = [column for column in table.columns if column in EVAL_DRAFTERS]
+    drafters = [column for column in table.columns if column in list(EvalDrafter)]
     width = 0.8 / max(1, len(drafters))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(table) + 2), 4.2))
     for j, drafter in enumerate(drafters):
@@ -85,14 +85,14 @@ def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
 def acceptance_curve(metrics: dict[str, dict]) -> pd.DataFrame:
     """Long form (drafter, position, acceptance) for `dvc plots` and the PNG."""
     rows = [{"drafter": d, "position": i, "acceptance": metrics[f"eval-{d}"][f"accept_{i}"]}
-            for d in EVAL_DRAFTERS if f"eval-{d}" in metrics for i in range(1, metrics[f"eval-{d}"]["k"] + 1)]
+            for d in EvalDrafter if f"eval-{d}" in metrics for i in range(1, metrics[f"eval-{d}"]["k"] + 1)]
     return pd.DataFrame(rows, columns=["drafter", "position", "acceptance"])
 
 
 def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], path: Path) -> None:
     curve = acceptance_curve(metrics)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    taus = [(d, metrics[f"eval-{d}"]["tau"]) for d in EVAL_DRAFTERS if f"eval-{d}" in metrics]
+    taus = [(d, metrics[f"eval-{d}"]["tau"]) for d in EvalDrafter if f"eval-{d}" in metrics]
     bars = axes[0].bar([d for d, _ in taus], [t for _, t in taus], color=[COLORS[d] for d, _ in taus])
     axes[0].bar_label(bars, fmt="%.2f")
     axes[0].set(title="Acceptance length tau (greedy, chain)", ylabel="tokens per verification step")

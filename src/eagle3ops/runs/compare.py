@@ -18,7 +18,7 @@ from matplotlib.patches import Patch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from eagle3ops.config import EVAL_DRAFTERS, TRAIN_INITS, Config, load_config
+from eagle3ops.config import Config, EvalDrafter, TrainInit, load_config
 from eagle3ops.errors import InputError
 from eagle3ops.reporting.summary import markdown_table
 from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
@@ -47,8 +47,8 @@ PHASES = (
     Phase("load", "extract", "time/load_s"),
     Phase("generate", "generate", "time/generate_s", "tokens_per_s"),
     Phase("extract", "extract", "time/extract_s", "tokens_per_s"),
-    *(Phase(f"train@{init}", f"train@{init}", "time/train_s", "tokens_per_s") for init in TRAIN_INITS),
-    *(Phase(f"eval@{drafter}", f"eval@{drafter}", "time/decode_s", "spec_tokens_per_s") for drafter in EVAL_DRAFTERS),
+    *(Phase(f"train@{init}", f"train@{init}", "time/train_s", "tokens_per_s") for init in TrainInit),
+    *(Phase(f"eval@{drafter}", f"eval@{drafter}", "time/decode_s", "spec_tokens_per_s") for drafter in EvalDrafter),
 )
 
 
@@ -100,7 +100,7 @@ def side_by_side(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     """One column per run: tau and per-position acceptance per drafter, then seconds and tokens/s per phase.
     Rows no run recorded are left out."""
     rows: dict[str, list[float | None]] = {}
-    for drafter in EVAL_DRAFTERS:
+    for drafter in EvalDrafter:
         stage = f"eval@{drafter}"
         rows[f"{drafter} tau"] = [r.metric(stage, "tau") for r in records]
         k = max(int(r.metric(stage, "k") or 0) for r in records)
@@ -142,7 +142,7 @@ def speedups(records: Sequence[PipelineRecord]) -> pd.DataFrame:
 
 def _tau_deltas(reference: PipelineRecord, other: PipelineRecord) -> list[str]:
     deltas = []
-    for drafter in EVAL_DRAFTERS:
+    for drafter in EvalDrafter:
         stage = f"eval@{drafter}"
         ref, run = reference.metric(stage, "tau"), other.metric(stage, "tau")
         if ref is not None and run is not None and not _same_run(stage, reference, other):
@@ -211,7 +211,7 @@ def plot(records: Sequence[PipelineRecord], path: Path) -> None:
     """Left: tau against training tokens, one line per trained variant, one point per run. Right: seconds per
     phase, one bar per run, coloured by hardware label (runs on the same hardware side by side)."""
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(14, 4.8))
-    for init in TRAIN_INITS:
+    for init in TrainInit:
         points: dict[tuple[float, float], list[str]] = {}  # runs sharing a cached stage share a point
         for r in records:
             tokens, tau = r.metric(f"train@{init}", "train_tokens"), r.metric(f"eval@{init}", "tau")

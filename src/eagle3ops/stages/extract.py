@@ -20,7 +20,7 @@ from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_target, model_size, model_text_config, resolve_aux_layers
 from eagle3ops.resume import resume_point
 from eagle3ops.tracking.metrics import record
-from eagle3ops.tracking.run import params_digest, stage_run
+from eagle3ops.tracking.run import stage_run
 
 SPLITS = ("train", "eval")
 
@@ -30,7 +30,7 @@ def run(cfg: Config) -> None:
     importing = cfg.extract.backend == "import"
     inputs = [prepared, cfg.target.path, *([cfg.extract.import_dir] if importing else [])]
     with stage_run(cfg, "extract", inputs=inputs, extra_params=identity_params(cfg.target)) as tracked:
-        work = resume_point("extract", {"params": params_digest(cfg), "inputs": tracked.input_md5s}).path.with_suffix("")
+        work = resume_point("extract", {"params": cfg.stage_digest(), "inputs": tracked.input_md5s}).path.with_suffix("")
         counters = (_import if importing else _extract)(cfg, prepared, work, tracked)
         out = Path(cfg.extract.out_dir)
         shutil.rmtree(out, ignore_errors=True)

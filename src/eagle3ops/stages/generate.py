@@ -26,7 +26,7 @@ from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.resume import resume_point
 from eagle3ops.tracking.metrics import record
-from eagle3ops.tracking.run import params_digest, stage_run
+from eagle3ops.tracking.run import stage_run
 
 
 def run(cfg: Config) -> None:
@@ -38,7 +38,7 @@ def run(cfg: Config) -> None:
         metrics: dict = {"backend": backend, "conversations": len(conversations)}
         work = None
         if backend == "hf":
-            work = _work_dir({"params": params_digest(cfg), "inputs": tracked.input_md5s})
+            work = _work_dir({"params": cfg.stage_digest(), "inputs": tracked.input_md5s})
             conversations = _regenerate_hf(cfg, conversations, tracked, work, metrics)
         elif backend == "openai":
             gen = cfg.generate

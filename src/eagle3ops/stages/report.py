@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from eagle3ops.config import TRAIN_INITS, Config
+from eagle3ops.config import Config, TrainInit
 from eagle3ops.fs import atomic_dir
 from eagle3ops.reporting.summary import acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
 from eagle3ops.tracking.metrics import PLOTS_DIR, read_all
@@ -16,7 +16,7 @@ from eagle3ops.tracking.store import scrub, tracking_uri
 def run(cfg: Config) -> None:
     with stage_run(cfg, "report") as tracked:
         metrics = read_all()
-        histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TRAIN_INITS
+        histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
         text = markdown(metrics, scrub(tracking_uri(cfg)))
         with atomic_dir(cfg.report.out_dir) as out:

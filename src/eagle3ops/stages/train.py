@@ -28,7 +28,7 @@ from eagle3ops.modeling.target import (
 from eagle3ops.resume import resume_point
 from eagle3ops.stages.prepare import VOCAB_MAP
 from eagle3ops.tracking.metrics import PLOTS_DIR, record
-from eagle3ops.tracking.run import params_digest, stage_run
+from eagle3ops.tracking.run import stage_run
 from eagle3ops.training import distributed
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import WarmStart, load_warm_start, new_drafter
@@ -66,7 +66,7 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
             train_samples = load_feature_samples(features / "train", embedding.shape[1])
             eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
             simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every and world.main else None
-        resume = (resume_point(f"train@{init}", {"params": params_digest(cfg), "inputs": tracked.input_md5s})
+        resume = (resume_point(f"train@{init}", {"params": cfg.stage_digest(), "inputs": tracked.input_md5s})
                   if world.main else None)
         resumed = distributed.shared_resume(resume, world)
         if resumed is not None and world.main:

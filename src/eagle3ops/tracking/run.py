@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import mlflow
 import psutil
@@ -24,7 +23,6 @@ from mlflow import MlflowClient
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric
-from omegaconf import OmegaConf
 
 from eagle3ops.config import Config
 from eagle3ops.tracking import hardware
@@ -55,22 +53,10 @@ from eagle3ops.tracking.store import (
 MAX_PARAM_CHARS = 500
 
 
-def params_digest(cfg: Config) -> str:
-    """Short hash of the resolved config: equal digests mean the stages ran with the same parameters."""
-    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
-    return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    flat: dict[str, str] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{name}."))
-        else:
-            text = json.dumps(value) if isinstance(value, list) else str(value)
-            flat[name] = scrub(text)[:MAX_PARAM_CHARS]
-    return flat
+def _param_text(value) -> str:
+    """A param value as MLflow shows it: lists and mappings as JSON, passwords in URIs masked."""
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return scrub(text)[:MAX_PARAM_CHARS]
 
 
 def _invocation_key() -> str | None:
@@ -218,7 +204,7 @@ def stage_run(
     root = project_root()
     uri = tracking_uri(cfg)
     commit, dirty = git_state(root)
-    digest = params_digest(cfg)
+    digest = cfg.digest()
     exp_name = os.environ.get("DVC_EXP_NAME")
     key = exp_name or _invocation_key() or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
     shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
@@ -239,8 +225,8 @@ def stage_run(
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},
     }
     run_name = f"{stage}@{variant}" if variant else stage
-    params = {**_flatten(OmegaConf.to_container(OmegaConf.structured(cfg))),
-              **{key: scrub(str(value))[:MAX_PARAM_CHARS] for key, value in (extra_params or {}).items()}}
+    params = {**{key: _param_text(value) for key, value in cfg.stage_params().items()},
+              **{key: _param_text(str(value)) for key, value in (extra_params or {}).items()}}
     record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
               "run_name": run_name, "tags": tags, "params": params}
 

@@ -1,0 +1,89 @@
+"""params.yaml and the schema are one source of every default; a stage reads only the keys it declares."""
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3ops.config import NOT_LINEAGE, Config, ConfigError, UndeclaredParamError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not prefix.endswith(("device_map.", "max_memory.", "extra_body.")):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def disagreements(params: dict) -> list[str]:
+    """Where a params tree and the schema's defaults differ: a key only one has, or another value."""
+    written, schema = flatten(params), Config().stage_params()
+    return ([f"{key}: in params.yaml, not in the schema" for key in sorted(written.keys() - schema.keys())]
+            + [f"{key}: in the schema, missing from params.yaml" for key in sorted(schema.keys() - written.keys())]
+            + [f"{key}: params.yaml {written[key]!r}, schema {schema[key]!r}" for key in sorted(written.keys() & schema.keys())
+               if not same(written[key], schema[key])])
+
+
+def test_params_yaml_spells_out_every_default_of_the_schema():
+    assert disagreements(yaml.safe_load((ROOT / "params.yaml").read_text())) == []
+
+
+def test_a_disagreement_between_params_yaml_and_the_schema_is_found():
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    changed = copy.deepcopy(params)
+    changed["train"]["lr"] = 1e-4
+    del changed["train"]["betas"]
+    changed["eval"]["sets"][0]["limit"] = 5
+    found = disagreements(changed)
+    assert [line.split(":")[0] for line in found] == ["train.betas", "eval.sets", "train.lr"], found
+    assert found[2] == "train.lr: params.yaml 0.0001, schema 0.003"
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("seed: 0\ntrain:\n  lr: [0.1\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message == f"{path}:4:9: not valid YAML: expected ',' or ']', but got ':'", message
+
+
+def test_a_stage_reads_only_what_it_declares():
+    view = Config().for_stage("train@scratch", ["seed", "train", "target.id", "extract.out_dir"])
+    assert view.train.lr == 0.003 and view.target.id and view.extract.out_dir == "data/features"
+    assert view.target.device == "auto" and view.mlflow.experiment == "eagle3ops"  # NOT_LINEAGE: where it runs
+    for read, key in ((lambda: view.eval.k, "eval"), (lambda: view.target.path, "target.path"),
+                      (lambda: view.extract.dtype, "extract.dtype")):
+        with pytest.raises(UndeclaredParamError, match=rf"train@scratch reads params key '{key}', which its entry in "
+                                                       rf"dvc.yaml does not declare"):
+            read()
+    assert set(view.stage_params()) == {key for key in Config().stage_params()
+                                         if key.split(".")[0] in ("seed", "train", "hardware", "mlflow", "threads")
+                                         or key in ("target.id", "extract.out_dir", *NOT_LINEAGE)}
+
+
+def test_resume_key_ignores_keys_the_stage_does_not_read(tmp_path):
+    declared = ["seed", "train", "extract.out_dir"]
+    digest = load_config(ROOT / "params.yaml").for_stage("train@scratch", declared).stage_digest()
+    for unrelated in ("eval.k=5", "report.out_dir=elsewhere", "target.device=cpu", "mlflow.experiment=other"):
+        assert load_config(ROOT / "params.yaml", [unrelated]).for_stage("train@scratch", declared).stage_digest() == digest
+    for related in ("train.lr=0.1", "seed=3", "extract.out_dir=data/other"):
+        assert load_config(ROOT / "params.yaml", [related]).for_stage("train@scratch", declared).stage_digest() != digest
