@@ -39,7 +39,6 @@ from eagle3ops.config import TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.formats.specforge import load_drafter
-from eagle3ops.modeling.identity import target_identity
 from eagle3ops.modeling.target import (
     TargetError,
     capture,
@@ -50,6 +49,7 @@ from eagle3ops.modeling.target import (
 )
 from eagle3ops.stages import eval as eval_stage
 from eagle3ops.stages import extract, generate, prepare, train
+from eagle3ops.tracking.identity import target_identity
 
 LAYERS = 4
 AUX_LAYERS = [1, 2, 3]

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import OUTSIDE_ENV, isolate
 from eagle3ops import cli
@@ -201,7 +201,7 @@ def test_a_global_batch_smaller_than_the_world_is_refused():
 
 def _stage_workspace(root: Path, target_dir: Path) -> None:
     """Prepared data, vocabulary map and features of the tiny target, and a params file training on them."""
-    from eagle3ops.stages.prepare import VOCAB_MAP
+    from eagle3ops.data.vocab import write_vocab_map
 
     model = load_target(TargetConfig(path=str(target_dir), device="cpu"))
     vocab = model.config.vocab_size
@@ -214,7 +214,7 @@ def _stage_workspace(root: Path, target_dir: Path) -> None:
         extract_features(model, samples, [1, 2, 3], root / "data" / "features" / split, 4, 8, desc="test")
         if split == "train":
             d2t, t2d = build_vocab_map(count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples), vocab, 64)
-    save_file({"d2t": d2t, "t2d": t2d}, str(root / "data" / "prepared" / VOCAB_MAP))
+    write_vocab_map(root / "data" / "prepared", d2t, t2d)
     OmegaConf.save({"target": {"path": str(target_dir), "lineage_dep": str(target_dir), "device": "cpu"},
                     "train": {"epochs": 2, "batch_size": 5, "lr": 3e-3, "ttt_steps": 3, "log_every": 1,
                               "checkpoint_every": 2, "simulate": {"every": 0}},

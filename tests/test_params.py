@@ -87,3 +87,22 @@ def test_resume_key_ignores_keys_the_stage_does_not_read(tmp_path):
         assert load_config(ROOT / "params.yaml", [unrelated]).for_stage("train@scratch", declared).stage_digest() == digest
     for related in ("train.lr=0.1", "seed=3", "extract.out_dir=data/other"):
         assert load_config(ROOT / "params.yaml", [related]).for_stage("train@scratch", declared).stage_digest() != digest
+
+
+def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypatch, capsys):
+    """`eagle3ops report` in a project whose dvc.yaml writes the report's directory literally instead of through
+    ${report.out_dir} and declares no params: the stage's first read of report.out_dir stops it, naming the key."""
+    from conftest import isolate
+
+    from eagle3ops import cli
+
+    isolate(monkeypatch, tmp_path)
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    stages["stages"]["report"]["outs"] = [{"reports": {"cache": False}}]
+    stages["stages"]["report"].pop("params")
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(stages))
+    assert cli.main(["report"]) == 1
+    assert "eagle3ops report: error: report reads params key 'report', which its entry in dvc.yaml does not declare" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "reports").exists()

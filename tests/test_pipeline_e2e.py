@@ -65,6 +65,19 @@ def test_second_repro_is_a_no_op(repo, first_run):
     assert "Data and pipelines are up to date" in run(["dvc", "status"], repo)
 
 
+def test_an_edit_to_a_stage_module_makes_the_stage_stale(repo, first_run):
+    module = repo / "src" / "eagle3ops" / "stages" / "train.py"
+    original = module.read_text()
+    module.write_text(original + "\n# an edit\n")
+    try:
+        status = run(["dvc", "status", "train@scratch", "eval@baseline"], repo)
+    finally:
+        module.write_text(original)
+    assert "train@scratch:" in status and "modified:           src/eagle3ops/stages/train.py" in status, status
+    assert "eval@baseline" not in status  # it runs no code of the train stage
+    assert "Data and pipelines are up to date" in run(["dvc", "status"], repo)
+
+
 def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
     (first,) = pipelines(repo)
     assert sorted(first.stages) == sorted(ALL_STAGES)

@@ -22,9 +22,9 @@ from dvc.repo import Repo
 from eagle3ops.cli import main
 from eagle3ops.config import DraftShapeConfig, TargetConfig, load_config
 from eagle3ops.formats.specforge import to_hf_config
-from eagle3ops.modeling.identity import downloaded_revision, identity_params, target_identity
 from eagle3ops.modeling.target import TargetError, load_text_config, resolve_aux_layers
 from eagle3ops.presets import PresetError, apply_preset, architecture, load_preset, preset_names
+from eagle3ops.tracking.identity import downloaded_revision, identity_params, target_identity
 from eagle3ops.training.init import new_drafter
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,6 +3,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3ops.resume import ResumePoint, resume_point
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER = r'''
 import json, sys
@@ -233,18 +236,19 @@ def test_disk_full_during_extraction_then_resume(tmp_path, tiny_target_dir):
 
 
 def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir):
-    """The train stage itself (CLI, after a real extract), killed at resume points chosen by a seeded RNG."""
-    from safetensors.torch import save_file
-
-    from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
+    """The train stage itself (CLI, after a real extract, held to the project's dvc.yaml), killed at resume points
+    chosen by a seeded RNG; before the last run a key the stage does not read is edited, which keeps the resume
+    point (it is keyed on the stage's declared params and input md5s)."""
+    from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, write_vocab_map
 
     def workspace(root: Path) -> dict:
         env = _extract_workspace(root, tiny_target_dir, {"train": {"epochs": 2, "batch_size": 8, "lr": 1e-3,
-                                                                    "checkpoint_every": 5, "log_every": 5}})
+                                                                    "checkpoint_every": 5, "log_every": 5,
+                                                                    "simulate": {"every": 0}}})
+        shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
         counts = count_masked_tokens([([1, 2, 3], [1, 1, 1])])
         vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
-        d2t, t2d = build_vocab_map(counts, vocab, 32)
-        save_file({"d2t": d2t, "t2d": t2d}, str(root / "data" / "prepared" / "vocab_map.safetensors"))
+        write_vocab_map(root / "data" / "prepared", *build_vocab_map(counts, vocab, 32))
         done = subprocess.run([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
@@ -273,6 +277,8 @@ def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_ta
             time.sleep(0.01)
         child.wait(timeout=60)
         assert child.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    params = resumed / "params.yaml"
+    params.write_text(params.read_text() + "eval: {k: 5}\nreport: {out_dir: elsewhere}\n")
     final = train(resumed, env)
     printed, err = final.communicate(timeout=600)
     assert final.returncode == 0, err

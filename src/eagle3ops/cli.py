@@ -381,26 +381,37 @@ def main(argv: list[str] | None = None) -> int:
         except InputError as err:
             print(f"eagle3ops {args.stage}: error: {err}", file=sys.stderr)
             return 1
+    return _run_stage(args)
+
+
+def _run_stage(args) -> int:
+    """A pipeline stage: the config as its dvc.yaml entry lets it read it, then the stage module's `run`."""
+    from importlib import import_module
+
+    from eagle3ops.tracking.lineage import declared_params
+    from eagle3ops.tracking.store import project_root
+
+    variant = {"train": getattr(args, "init", None), "eval": getattr(args, "drafter", None)}.get(args.stage)
+    name = f"{args.stage}@{variant}" if variant else args.stage
     try:
         cfg = load_config(args.params, args.overrides)
     except ConfigError as err:
         print(f"eagle3ops: {err}", file=sys.stderr)
         return 2
+    declared = declared_params(project_root(), name, Path(args.params).name)
+    if declared is not None:  # a stage of this project's dvc.yaml: it reads only what that declares
+        cfg = cfg.for_stage(name, declared)
     if cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    from importlib import import_module
-
     stage = import_module(f"eagle3ops.stages.{args.stage}")
-    variant = {"train": getattr(args, "init", None), "eval": getattr(args, "drafter", None)}.get(args.stage)
     try:
         stage.run(cfg, variant) if variant else stage.run(cfg)
     except InputError as err:  # bad input: a clear message, no traceback
-        print(f"eagle3ops {args.stage}: error: {err}", file=sys.stderr)
+        print(f"eagle3ops {name}: error: {err}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -178,7 +178,7 @@ class ZooConfig(Section):
 class TargetConfig(Section):
     path: str = "models/zoo/successor"
     # Who the target is, for the lineage: DVC re-runs the stages that use the target when these change, and every
-    # stage run logs them with the digest of the target's config and tokenizer files (modeling/identity.py).
+    # stage run logs them with the digest of the target's config and tokenizer files (tracking/identity.py).
     id: str = "eagle3ops-zoo/successor"  # e.g. the Hugging Face repo id, moonshotai/Kimi-K2.5
     revision: Optional[str] = None  # the commit of that repo the directory holds; checked against the download
     # What dvc.yaml hashes for the target: the whole (tiny) zoo directory by default; for a real target its

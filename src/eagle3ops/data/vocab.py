@@ -7,10 +7,24 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle3ops.errors import InputError
+
+VOCAB_MAP = "vocab_map.safetensors"  # the file of the prepared data's draft vocabulary, beside its splits
+
+
+def write_vocab_map(directory: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    save_file({"d2t": d2t, "t2d": t2d}, str(Path(directory) / VOCAB_MAP))
+
+
+def read_vocab_map(directory: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the prepared data in `directory`."""
+    tensors = load_file(str(Path(directory) / VOCAB_MAP))
+    return tensors["d2t"], tensors["t2d"]
 
 
 def count_masked_tokens(samples: Iterable[tuple[list[int], list[int]]]) -> Counter:

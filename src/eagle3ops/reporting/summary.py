@@ -11,7 +11,8 @@ import pandas as pd
 
 from eagle3ops.config import EvalDrafter, TrainInit
 
-STAGES = ("zoo", "generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
+# The pipeline's stages whose metrics the report reads (the zoo stands in for models a user already has)
+STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
           *(f"eval-{d}" for d in EvalDrafter))
 COLORS = dict(zip(EvalDrafter, ("#999999", "#1f77b4", "#ff7f0e")))
 

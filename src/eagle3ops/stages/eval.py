@@ -14,9 +14,9 @@ from eagle3ops.decoding.engines import measure
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate
 from eagle3ops.formats.checkpoint import load_any_drafter
-from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
 from eagle3ops.progress import progress
+from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.store import scrub

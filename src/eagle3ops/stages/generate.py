@@ -21,10 +21,10 @@ from eagle3ops.data.conversations import load_conversations, read_jsonl
 from eagle3ops.fs import write_json_atomic, write_jsonl_atomic
 from eagle3ops.generation.hf import GenerateStats, regenerate
 from eagle3ops.generation.openai import regenerate_openai
-from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.resume import resume_point
+from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
 

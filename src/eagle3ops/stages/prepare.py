@@ -1,19 +1,15 @@
 """Stage `prepare`: chat template -> token ids + assistant loss mask, train/eval split, draft vocabulary."""
 from dataclasses import asdict
 
-from safetensors.torch import save_file
-
 from eagle3ops.config import Config
 from eagle3ops.data.conversations import load_conversations
 from eagle3ops.data.prepare import split, tokenize_dataset, write_tokenized
-from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, coverage
+from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, coverage, write_vocab_map
 from eagle3ops.fs import atomic_dir
-from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import load_tokenizer
+from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
-
-VOCAB_MAP = "vocab_map.safetensors"
 
 
 def run(cfg: Config) -> None:
@@ -29,7 +25,7 @@ def run(cfg: Config) -> None:
         with atomic_dir(cfg.prepare.out_dir) as out:
             write_tokenized(train, out / "train", {"split": "train", "source": source})
             write_tokenized(held_out, out / "eval", {"split": "eval", "source": source})
-            save_file({"d2t": d2t, "t2d": t2d}, str(out / VOCAB_MAP))
+            write_vocab_map(out, d2t, t2d)
         summary = {k: v for k, v in asdict(stats).items() if k != "dropped_ids"}
         record(tracked, "prepare", {**summary, "train_samples": len(train), "eval_samples": len(held_out),
                                     "draft_vocab_coverage": round(coverage(counts, t2d), 4)})

@@ -7,15 +7,15 @@ import pandas as pd
 
 from eagle3ops.config import Config, TrainInit
 from eagle3ops.fs import atomic_dir
-from eagle3ops.reporting.summary import acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
-from eagle3ops.tracking.metrics import PLOTS_DIR, read_all
+from eagle3ops.reporting.summary import STAGES, acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
+from eagle3ops.tracking.metrics import PLOTS_DIR, read_metrics
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.store import scrub, tracking_uri
 
 
 def run(cfg: Config) -> None:
     with stage_run(cfg, "report") as tracked:
-        metrics = read_all()
+        metrics = read_metrics(STAGES)  # the files dvc.yaml lists as the stage's deps
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
         text = markdown(metrics, scrub(tracking_uri(cfg)))

@@ -8,16 +8,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
-from safetensors.torch import load_file
 
 from eagle3ops.config import Config
 from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
+from eagle3ops.data.vocab import read_vocab_map
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.errors import InputError
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.fs import atomic_dir, write_json_atomic
-from eagle3ops.modeling.identity import identity_params
 from eagle3ops.modeling.target import (
     load_embedding_and_head,
     load_target,
@@ -26,7 +25,7 @@ from eagle3ops.modeling.target import (
     resolve_device,
 )
 from eagle3ops.resume import resume_point
-from eagle3ops.stages.prepare import VOCAB_MAP
+from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, record
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.training import distributed
@@ -50,11 +49,11 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
             aux_layers = read_manifest(features / "train")["aux_layers"]
-            vocab = load_file(str(Path(cfg.prepare.out_dir) / VOCAB_MAP))
+            d2t, t2d = read_vocab_map(cfg.prepare.out_dir)
             if init == "warm_start":
                 warm = load_warm_start(cfg.train.warm_start, cfg.target.path, embedding, lm_head, aux_layers,
                                        masked_token_counts(Path(cfg.prepare.out_dir) / "train"),
-                                       (vocab["d2t"], vocab["t2d"]), cfg.train.warm_start_vocab,
+                                       (d2t, t2d), cfg.train.warm_start_vocab,
                                        cfg.train.warm_start_optimizer, cfg.train.warm_start_min_coverage)
                 draft, optimizer_state = warm.draft, warm.optimizer_state
                 if world.main:
@@ -62,7 +61,7 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
             else:
                 warm, optimizer_state = None, None
                 draft = new_drafter(load_text_config(cfg.target), cfg.train.draft, aux_layers,
-                                    embedding, vocab["d2t"], vocab["t2d"], cfg.seed)
+                                    embedding, d2t, t2d, cfg.seed)
             train_samples = load_feature_samples(features / "train", embedding.shape[1])
             eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
             simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every and world.main else None

@@ -1,12 +1,13 @@
-"""The DVC side of a stage run: what `dvc.lock` records (input md5s, each stage entry's hash), the git state, and the
-links that make every pipeline run show its whole chain (cached stages linked to the runs that produced their
-outputs, experiments tagged with their result commit).
+"""The DVC side of a stage run: what `dvc.yaml` declares for it, what `dvc.lock` records (input md5s, each stage
+entry's hash), the git state, and the links that make every pipeline run show its whole chain (cached stages linked
+to the runs that produced their outputs, experiments tagged with their result commit).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Sequence
@@ -34,6 +35,43 @@ def git_state(root: Path) -> tuple[str, bool]:
     # dvc.lock is rewritten after every stage of a `dvc repro`; counting it would mark all later stages dirty.
     status = git(root, "status", "--porcelain", "--", ":(exclude,glob)**/dvc.lock")
     return commit, bool(status)
+
+
+INTERPOLATED = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*\}")  # ${train.out_dir}, ${item.init}, ${key}
+
+
+def stage_definition(root: Path, stage: str) -> dict | None:
+    """What dvc.yaml says of `stage` ("train@scratch": the `train` matrix; "eval@baseline": the `eval` foreach's
+    `do` and its item `baseline`), as written, or None when dvc.yaml has no such stage."""
+    path = root / "dvc.yaml"
+    if not path.is_file():
+        return None
+    name, _, item = stage.partition("@")
+    entry = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}).get(name)
+    if not isinstance(entry, dict):
+        return None
+    if "foreach" not in entry:
+        return entry
+    items = entry["foreach"]
+    return {**entry["do"], "item": items.get(item) if isinstance(items, dict) else None}
+
+
+def declared_params(root: Path, stage: str, params_file: str = "params.yaml") -> set[str] | None:
+    """The params keys `stage` may read: those its dvc.yaml entry lists under `params` (from `params_file`) and
+    those its command, dependencies and outputs interpolate, which DVC also re-runs the stage for. None when
+    dvc.yaml has no such stage (nothing to hold it to)."""
+    entry = stage_definition(root, stage)
+    if entry is None:
+        return None
+    keys = set()
+    for item in entry.get("params") or []:
+        if isinstance(item, str):
+            keys.add(item)
+        elif isinstance(item, dict):  # {other_params.yaml: [keys]}
+            keys.update(key for file, listed in item.items() if file == params_file for key in listed or [])
+    written = json.dumps({field: value for field, value in entry.items() if field != "params"})
+    keys.update(key for key in INTERPOLATED.findall(written) if key != "key" and not key.startswith("item."))
+    return keys
 
 
 def _normalise(path: str | Path, root: Path) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3ops.fs import write_json_atomic
@@ -22,3 +23,9 @@ def record(run, name: str, metrics: dict) -> dict:
 
 def read_all(directory: str | Path = METRICS_DIR) -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(Path(directory).glob("*.json"))}
+
+
+def read_metrics(names: Iterable[str], directory: str | Path = METRICS_DIR) -> dict[str, dict]:
+    """{name: metrics/<name>.json} for the names whose file exists."""
+    paths = {name: Path(directory) / f"{name}.json" for name in names}
+    return {name: json.loads(path.read_text()) for name, path in paths.items() if path.is_file()}

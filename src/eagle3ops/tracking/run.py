@@ -199,7 +199,7 @@ def stage_run(
 ) -> Iterator[StageRun]:
     """Record one stage run as a child of its pipeline's parent run; FAILED if the block raises. A tracking
     server that cannot be reached never stops the stage: see StageRun. `extra_params` are logged beside the
-    config's (the target's identity, modeling/identity.py)."""
+    config's (the target's identity, tracking/identity.py)."""
     start = time.perf_counter()
     root = project_root()
     uri = tracking_uri(cfg)
