@@ -156,3 +156,34 @@ def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     refs = run(["git", "for-each-ref", "refs/exps", "--format=%(refname) %(objectname)"], repo).split()
     experiment = next(p for p in pipelines(repo) if p.name == "lr-1e-3")
     assert experiment.tags["eagle3ops.result_commit"] == refs[refs.index(next(r for r in refs if r.endswith("/lr-1e-3"))) + 1]
+
+
+def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo, first_run):
+    """DVC removes a stage's outputs before it runs it. A bad value then fails train@scratch: its metrics and
+    plots are put back at once, and its drafter comes back with `dvc checkout`, as the message says. A missing
+    drafter fails train@warm_start before its command starts: with the change undone, `dvc repro` brings back
+    the last run's outputs from DVC's run cache without re-running the stage."""
+    kept = {path: (repo / path).read_bytes() for path in ("metrics/train-scratch.json", "plots/train-scratch.csv")}
+    drafter = lock_md5(repo, "train@scratch", "models/drafters/scratch")
+    write_params(repo, ["train.lr=fast"])
+    output = run(["dvc", "repro"], repo, fail=True)
+    assert "key 'train.lr'" in output and "`dvc checkout models/drafters/scratch` restores" in output, output
+    assert {path: (repo / path).read_bytes() for path in kept} == kept
+    assert not (repo / "models" / "drafters" / "scratch").exists()
+    run(["dvc", "checkout", "models/drafters/scratch"], repo)
+    write_params(repo, [])
+    status = run(["dvc", "status", "train@scratch"], repo)  # the stage and those it depends on
+    assert "Data and pipelines are up to date" in status, status
+    assert lock_md5(repo, "train@scratch", "models/drafters/scratch") == drafter
+
+    run(["dvc", "repro", "train@warm_start"], repo)  # its lock still holds an experiment's params
+    outputs = ("metrics/train-warm_start.json", "plots/train-warm_start.csv",
+               "models/drafters/warm_start/model.safetensors")
+    kept = {path: (repo / path).read_bytes() for path in outputs}
+    write_params(repo, ["train.warm_start=models/nowhere"])
+    output = run(["dvc", "repro", "train@warm_start"], repo, fail=True)
+    assert "models/nowhere" in output and "Running stage" not in output, output
+    write_params(repo, [])
+    output = run(["dvc", "repro", "train@warm_start"], repo)
+    assert "Running stage" not in output and "is cached" in output, output
+    assert {path: (repo / path).read_bytes() for path in outputs} == kept

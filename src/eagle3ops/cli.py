@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -385,14 +386,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_stage(args) -> int:
-    """A pipeline stage: the config as its dvc.yaml entry lets it read it, then the stage module's `run`."""
+    """A pipeline stage. Under `dvc repro` a stage that fails puts back what DVC removed before running it."""
+    variant = {"train": getattr(args, "init", None), "eval": getattr(args, "drafter", None)}.get(args.stage)
+    name = f"{args.stage}@{variant}" if variant else args.stage
+    try:
+        code = _stage(args, name, variant)
+    except BaseException:
+        _put_back_outputs(name)
+        raise
+    if code:
+        _put_back_outputs(name)
+    return code
+
+
+def _put_back_outputs(name: str) -> None:
+    from eagle3ops.tracking.lineage import put_back_outputs
+    from eagle3ops.tracking.store import project_root
+
+    if os.environ.get("DVC_STAGE") != name:  # run by hand: nothing was removed
+        return
+    put_back, cached = put_back_outputs(project_root(), name)
+    if put_back:
+        print(f"eagle3ops {name}: put back the last run's {', '.join(put_back)}", file=sys.stderr)
+    if cached:
+        print(f"eagle3ops {name}: DVC removed {', '.join(cached)} before running the stage; `dvc checkout "
+              f"{' '.join(cached)}` restores the last run's from the cache, and once the change is undone `dvc "
+              f"repro` takes all of the stage's outputs from DVC's run cache without running it", file=sys.stderr)
+
+
+def _stage(args, name: str, variant: str | None) -> int:
+    """The config as the stage's dvc.yaml entry lets it read it, then the stage module's `run`."""
     from importlib import import_module
 
     from eagle3ops.tracking.lineage import declared_params
     from eagle3ops.tracking.store import project_root
 
-    variant = {"train": getattr(args, "init", None), "eval": getattr(args, "drafter", None)}.get(args.stage)
-    name = f"{args.stage}@{variant}" if variant else args.stage
     try:
         cfg = load_config(args.params, args.overrides)
     except ConfigError as err:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Sequence
@@ -72,6 +73,31 @@ def declared_params(root: Path, stage: str, params_file: str = "params.yaml") ->
     written = json.dumps({field: value for field, value in entry.items() if field != "params"})
     keys.update(key for key in INTERPOLATED.findall(written) if key != "key" and not key.startswith("item."))
     return keys
+
+
+def put_back_outputs(root: Path, stage: str) -> tuple[list[str], list[str]]:
+    """After `stage` failed under `dvc repro`: the outputs DVC removed before running it, as dvc.lock records
+    them from the last run that succeeded. Those DVC does not cache by path (metrics and plots, `cache: false`)
+    are copied back from the copies DVC's run cache keeps of them; returns (the paths put back, the missing
+    cached outputs, which `dvc checkout` restores)."""
+    from dvc.repo import Repo
+
+    repo = Repo(str(root))
+    put_back, cached = [], []
+    for found in repo.stage.collect(stage):
+        for out in found.outs:
+            path = root / out.def_path
+            if path.exists() or out.hash_info is None or not out.hash_info.value:
+                continue
+            if out.use_cache:
+                cached.append(out.def_path)
+                continue
+            copy = Path(repo.cache.local.oid_to_path(out.hash_info.value))
+            if copy.is_file() and not out.hash_info.isdir:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(copy, path)  # a copy: the cache's own file stays read-only
+                put_back.append(out.def_path)
+    return put_back, cached
 
 
 def _normalise(path: str | Path, root: Path) -> str:
