@@ -26,7 +26,7 @@ from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.target import TargetError, load_target
 from eagle3ops.training.data import padded_ahead, rank_share, remaining_batches
 from eagle3ops.training.distributed import World
-from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.loop import Recipe, train_drafter
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -40,7 +40,7 @@ from eagle3ops.training import distributed
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.resume import ResumePoint
-from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
 
 V, H = 48, 32
 out = Path(sys.argv[1])
@@ -72,22 +72,22 @@ for n in torch.randint(6, 30, (26,), generator=generator).tolist():  # batches o
                     "aux_hidden": torch.randn(n, 3 * H, generator=generator),
                     "final_hidden": torch.randn(n, H, generator=generator)})
 head = torch.randn(V, H, generator=generator)
-recipe = DrafterTrainConfig(epochs=2, batch_size=5, lr=1e-3, ttt_steps=3, log_every=1, checkpoint_every=4)
+optim = DrafterTrainConfig(epochs=2, batch_size=5, lr=1e-3, ttt_steps=3, log_every=1, checkpoint_every=4)
 with distributed.process_group(torch.device("cpu")) as (world, device):
     resume = ResumePoint(out / "resume.pt")
 
     def keep_first(state):  # the resume point of step 4, for the resumed run below
         if not resume.path.exists():
-            resume.save(state)
+            resume.save(state.to_dict())
 
     draft = drafter(0)
-    result, _ = train_drafter(draft, samples, samples[:7], head, recipe, seed=0, device=device,
-                              checkpoint=keep_first if world.main else None)
+    result, _ = train_drafter(Recipe(draft, samples, samples[:7], head, optim, 0, device),
+                              Hooks(checkpoint=keep_first if world.main else None))
     if world.main:
         save("uninterrupted", draft, result)
     draft = drafter(1)  # other weights: the resume point's must replace them on every rank
-    state = distributed.shared_resume(resume if world.main else None, world)
-    result, _ = train_drafter(draft, samples, samples[:7], head, recipe, seed=0, device=device, state=state)
+    state = TrainState.from_dict(distributed.shared_resume(resume if world.main else None, world))
+    result, _ = train_drafter(Recipe(draft, samples, samples[:7], head, optim, 0, device), state=state)
     if world.main:
         save("resumed", draft, result)
 '''
@@ -188,15 +188,15 @@ def test_each_step_runs_its_forward_with_the_last_steps_gradients_released():
         return fuse(aux_hidden)
 
     draft.fuse = fuse_and_record
-    train_drafter(draft, samples, [], torch.randn(V, H), DrafterTrainConfig(epochs=2, batch_size=2, ttt_steps=2,
-                                                                            checkpoint_every=0), 0, torch.device("cpu"))
+    optim = DrafterTrainConfig(epochs=2, batch_size=2, ttt_steps=2, checkpoint_every=0)
+    train_drafter(Recipe(draft, samples, [], torch.randn(V, H), optim, 0, torch.device("cpu")))
     assert held_at_forward == [0, 0, 0, 0]
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused():
     with pytest.raises(InputError, match="train.batch_size 2 is the global batch, shared by 4 ranks"):
-        train_drafter(None, [], [], torch.zeros(1, 1), DrafterTrainConfig(batch_size=2), 0, torch.device("cpu"),
-                      world=World(0, 4))
+        train_drafter(Recipe(None, [], [], torch.zeros(1, 1), DrafterTrainConfig(batch_size=2), 0,
+                             torch.device("cpu"), World(0, 4)))
 
 
 def _stage_workspace(root: Path, target_dir: Path) -> None:

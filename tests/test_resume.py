@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.resume import ResumePoint
-from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
 
 out, resume_path = Path(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)
@@ -38,10 +38,12 @@ draft.t2d.fill_(True)
 samples = [{"input_ids": torch.randint(0, V, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
             "aux_hidden": torch.randn(n, 3 * H), "final_hidden": torch.randn(n, H)} for n in range(8, 40)]
 head = torch.randn(V, H)
-recipe = DrafterTrainConfig(epochs=4, batch_size=4, lr=1e-3, ttt_steps=3, log_every=2, checkpoint_every=3)
+optim = DrafterTrainConfig(epochs=4, batch_size=4, lr=1e-3, ttt_steps=3, log_every=2, checkpoint_every=3)
 resume = ResumePoint(Path(resume_path)) if resume_path != "-" else None
-result, state = train_drafter(draft, samples, samples[:4], head, recipe, seed=0, device=torch.device("cpu"),
-                              state=resume.load() if resume else None, checkpoint=resume.save if resume else None)
+saved = resume.load() if resume else None
+result, state = train_drafter(Recipe(draft, samples, samples[:4], head, optim, 0, torch.device("cpu")),
+                              Hooks(checkpoint=(lambda state: resume.save(state.to_dict())) if resume else None),
+                              TrainState.from_dict(saved) if saved else None)
 save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out / "weights.safetensors"))
 (out / "history.json").write_text(json.dumps(result.history))
 (out / "resumed_at.json").write_text(json.dumps(result.resumed_at))

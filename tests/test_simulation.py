@@ -10,7 +10,7 @@ from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate
 from eagle3ops.extraction.hf import extract_features
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import new_drafter
-from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.loop import Hooks, Recipe, train_drafter
 from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 V, H = 48, 32
@@ -45,10 +45,10 @@ def test_simulated_tau_is_the_eval_tau_of_the_trained_drafter(tmp_path):
     settings = SpecSettings(k=3)
     simulator = AcceptanceSimulator(target, prompts, settings, max_new_tokens=12, eos_ids=set(), seed=0)
     logged: list[tuple[int, dict]] = []
-    recipe = DrafterTrainConfig(epochs=30, batch_size=4, lr=1e-2, ttt_steps=3, log_every=60)
-    result, _ = train_drafter(draft, features, [], target.lm_head.weight.detach(), recipe, seed=0,
-                              device=torch.device("cpu"), log=lambda step, m: logged.append((step, m)),
-                              probe=simulator, probe_every=60)
+    optim = DrafterTrainConfig(epochs=30, batch_size=4, lr=1e-2, ttt_steps=3, log_every=60)
+    recipe = Recipe(draft, features, [], target.lm_head.weight.detach(), optim, 0, torch.device("cpu"))
+    result, _ = train_drafter(recipe, Hooks(log=lambda step, m: logged.append((step, m)), probe=simulator,
+                                            probe_every=60))
 
     probed = [(step, m["sim/tau"]) for step, m in logged if "sim/tau" in m]
     assert [step for step, _ in probed] == [60, 120, 180]  # every 60 steps, and the last one

@@ -13,7 +13,7 @@ from eagle3ops.benchmark.timing import device_name, sync, timed
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, compute_dtype, ttt_loss
 from eagle3ops.training import distributed
-from eagle3ops.training.loop import to_training_device, train_drafter
+from eagle3ops.training.loop import Hooks, Recipe, prepare_for_training, train_drafter
 
 
 def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
@@ -66,8 +66,9 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
                 ttt_steps: int = 7, seed: int = 0) -> TrainBench:
     """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`); bf16 autocast on a GPU
     with fp32 master weights, as the train stage runs."""
-    draft = to_training_device(random_drafter(cfg, seed), device)
+    draft = random_drafter(cfg, seed)
     draft.midlayer.self_attn.kernel = kernel
+    cross_entropy = prepare_for_training(draft, device)
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
     features = compute_dtype(device)  # as the train stage passes the features and the target's lm_head
     lm_head = lm_head.to(features)
@@ -82,7 +83,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)  # before the forward, as the train stage does
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            result = ttt_loss(draft, ids, aux, final, mask, lm_head, ttt_steps)
+            result = ttt_loss(draft, ids, aux, final, mask, lm_head, ttt_steps, cross_entropy=cross_entropy)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
@@ -114,7 +115,7 @@ def random_features(cfg: DraftConfig, count: int, length: int, distinct: int, se
     return [made[i % len(made)] for i in range(count)]
 
 
-def time_training(cfg: DraftConfig, samples: list[dict], lm_head: torch.Tensor, recipe: DrafterTrainConfig,
+def time_training(cfg: DraftConfig, samples: list[dict], lm_head: torch.Tensor, optim: DrafterTrainConfig,
                   device: torch.device, world: distributed.World) -> dict:
     """train_drafter over `world` (one rank alone: World()): seconds to the end of the first step (setup and
     compilation included), then the steady step time from the second step on, and every step's loss."""
@@ -122,16 +123,16 @@ def time_training(cfg: DraftConfig, samples: list[dict], lm_head: torch.Tensor, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stamps, start = [], time.perf_counter()
-    result, _ = train_drafter(draft, samples, [], lm_head, recipe, seed=0, device=device,
-                              log=lambda step, row: stamps.append(time.perf_counter()),  # synced: rows are read back
-                              desc=f"bench train x{world.size}", world=world)
+    hooks = Hooks(log=lambda step, row: stamps.append(time.perf_counter()),  # synced: rows are read back
+                  desc=f"bench train x{world.size}")
+    result, _ = train_drafter(Recipe(draft, samples, [], lm_head, optim, 0, device, world), hooks)
     step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    tokens_per_step = recipe.batch_size * samples[0]["input_ids"].shape[0]
+    tokens_per_step = optim.batch_size * samples[0]["input_ids"].shape[0]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del draft
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"ranks": world.size, "batch_per_rank": math.ceil(recipe.batch_size / world.size),
+    return {"ranks": world.size, "batch_per_rank": math.ceil(optim.batch_size / world.size),
             "first_step_s": round(stamps[0] - start, 2), "step_ms": round(step_s * 1e3, 1),
             "tokens_per_s": tokens_per_step / step_s, "peak_gib": round(peak, 2) if peak else None,
             "losses": [row["train/loss"] for row in result.history]}
@@ -147,10 +148,10 @@ def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None
         global_batch = math.ceil(size.data_parallel_batch / world.size) * world.size
         samples = random_features(cfg, global_batch * size.data_parallel_steps, size.train_seq_len, 2 * global_batch)
         lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
-        recipe = DrafterTrainConfig(epochs=1, batch_size=global_batch, lr=1e-4, log_every=1, checkpoint_every=0)
-        runs = [time_training(cfg, samples, lm_head, recipe, device, distributed.World())] if world.main else []
+        optim = DrafterTrainConfig(epochs=1, batch_size=global_batch, lr=1e-4, log_every=1, checkpoint_every=0)
+        runs = [time_training(cfg, samples, lm_head, optim, device, distributed.World())] if world.main else []
         distributed.wait_for_main(world)
-        runs.append(time_training(cfg, samples, lm_head, recipe, device, world))
+        runs.append(time_training(cfg, samples, lm_head, optim, device, world))
         backend = torch.distributed.get_backend() if world.size > 1 else "-"
     if not world.main:
         return None

@@ -13,7 +13,6 @@ Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` check
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import asdict, dataclass, field
@@ -94,11 +93,22 @@ class KVCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
+@torch.compiler.disable  # built on the host once per shape and kept; a compiled step receives it as an input
 @functools.cache
 def _ttt_block_mask(T: int, steps: int, device: str):
-    """Which keys of cat(K_0, ..., K_{steps-1}) [steps * T] query t sees: K_0[<= t] and K_j[t] (j >= 1).
-    Built once per (length, step): flex attention then skips the empty tiles, so steps 1..k cost only
-    their diagonal tiles instead of the (k+1) T^2 scores an explicit mask would compute."""
+    """The TTT mask: which keys of cat(K_0, ..., K_{steps-1}) [steps * T] query t of step k = steps - 1 sees:
+    the step-0 keys causally (K_0[<= t]) and every later step's key at its own position only (K_j[t]).
+    For T = 4 and step 2 (x = visible):
+
+                     K_0        K_1        K_2
+        query   t:  0 1 2 3    0 1 2 3    0 1 2 3
+                0   x . . .    x . . .    x . . .
+                1   x x . .    . x . .    . x . .
+                2   x x x .    . . x .    . . x .
+                3   x x x x    . . . x    . . . x
+
+    Built once per (length, step): flex attention then skips the empty tiles, so steps 1..k cost only their
+    diagonal tiles instead of the (k+1) T^2 scores an explicit mask would compute."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, q_idx, kv_idx):
@@ -108,21 +118,6 @@ def _ttt_block_mask(T: int, steps: int, device: str):
     return create_block_mask(visible, None, None, T, steps * T, device=device)
 
 
-def compile_per_shape(fn):
-    """`fn` compiled into fused kernels, one graph per (batch, length, TTT step): lengths are bucketed by the
-    training loop, and the default limit of 8 graphs would silently fall back to the unfused kernels on the
-    second batch shape, so the limit is raised."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-    return torch.compile(fn, dynamic=False)
-
-
-@functools.cache
-def compiled_on_gpu(fn, device_type: str):
-    """`fn` compiled on a GPU; eager elsewhere, where it runs the same math unfused."""
-    return compile_per_shape(fn) if device_type == "cuda" else fn
-
-
 def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The TTT attention in one fused kernel: q [B, nh, T, hd] over cat(K_0..K_k) [B, nkv, (k+1)T, hd]."""
     T, steps = q.shape[2], len(ttt_cache)
@@ -130,8 +125,8 @@ def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torc
     values = torch.cat([v for _, v in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][1]
     from torch.nn.attention.flex_attention import flex_attention
 
-    return compiled_on_gpu(flex_attention, q.device.type)(q, keys, values, enable_gqa=q.shape[1] != keys.shape[1],
-                                                          block_mask=_ttt_block_mask(T, steps, str(q.device)))
+    return flex_attention(q, keys, values, enable_gqa=q.shape[1] != keys.shape[1],
+                          block_mask=_ttt_block_mask(T, steps, str(q.device)))
 
 
 class Attention(nn.Module):
@@ -246,30 +241,23 @@ class Eagle3Draft(nn.Module):
         """[B, T, 3Ht] target features -> [B, T, H]."""
         return self.fc(aux_hidden)
 
-    def step(self, input_ids, hidden, positions, ttt_cache=None, kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward. input_ids [B, T], hidden [B, T, H], positions [B, T]
-        -> (hidden out [B, T, H], draft logits [B, T, Vd]).
+    def forward(self, input_ids, hidden, positions, ttt_cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training-time-test step: input_ids [B, T], hidden [B, T, H], positions [B, T]
+        -> (hidden out [B, T, H], draft logits [B, T, Vd]); this step's keys and values join `ttt_cache`.
+        What a training loop compiles (`module.compile()`); serving calls `step`, never compiled."""
+        cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache=ttt_cache)
+        return hidden, self.head(hidden)
 
-        Serving (`kv_cache`) runs eager even when the blocks are compiled for training: they are compiled per
-        shape, and decoding's shapes (prompt lengths, tree widths) change from call to call."""
-        with torch.compiler.set_stance("force_eager") if kv_cache is not None else contextlib.nullcontext():
-            cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
-            hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache, kv_cache)
-            return hidden, self.head(hidden)
+    def step(self, input_ids, hidden, positions, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One serving step over new positions, attending to `kv_cache` (shapes as `forward`'s)."""
+        cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv_cache=kv_cache)
+        return hidden, self.head(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, H] -> draft logits [B, T, Vd]."""
         return self.lm_head(self.norm(hidden))
-
-    def compile_dense_blocks(self) -> None:
-        """Compile the blocks around the attention kernel (norms, concatenation, projections with the rotary
-        embedding, SwiGLU, residual adds, the head) into fused kernels: on a GPU they are many small
-        memory-bound kernels per TTT step otherwise, each writing its float32 intermediates out in full."""
-        layer = self.midlayer
-        layer.attention_input = compile_per_shape(layer.attention_input)
-        layer.self_attn._qkv = compile_per_shape(layer.self_attn._qkv)
-        layer.feed_forward = compile_per_shape(layer.feed_forward)
-        self.head = compile_per_shape(self.head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -327,7 +315,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, target_top:
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
-             ttt_steps: int = 7, decay: float = 0.8, normaliser=None) -> TTTResult:
+             ttt_steps: int = 7, decay: float = 0.8, normaliser=None, cross_entropy=soft_cross_entropy) -> TTTResult:
     """Training-time test: K draft steps, each feeding its own output hidden state to the next.
 
     input_ids, loss_mask [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]; loss_mask marks the
@@ -340,6 +328,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     Each step's loss is its summed soft cross-entropy over the counted positions divided by their count (at
     least 1); `normaliser` (data-parallel training: distributed.global_normaliser) maps that count [] to
     the divisor instead, so that the ranks' losses average to the loss of the whole global batch.
+    `cross_entropy` computes one step's summed loss (`soft_cross_entropy`, compiled by the training loop on a GPU).
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -348,19 +337,18 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     mask = loss_mask.bool()
     next_ids = shift_left(input_ids)  # x_{t+1} at t
     hidden = draft.fuse(aux_hidden)
-    loss_kernel = compiled_on_gpu(soft_cross_entropy, hidden.device.type)
     ttt_cache: list = []
     total = hidden.new_zeros((), dtype=torch.float32)
     per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
     for k in range(ttt_steps):
-        hidden, logits = draft.step(next_ids, hidden, positions, ttt_cache=ttt_cache)
+        hidden, logits = draft(next_ids, hidden, positions, ttt_cache)
         n = max(0, T - k - 2)  # positions t whose target token x_{t+k+2} exists
         aligned = slice(k + 1, k + 1 + n)  # target side of position t at t+k+1
         masked = mask[:, k + 2 : k + 2 + n]  # [B, n] x_{t+k+2} is an assistant token
         counted = masked & in_draft[:, aligned]
         count = counted.sum()
         divisor = count.clamp(min=1) if normaliser is None else normaliser(count)
-        summed, correct = loss_kernel(logits[:, :n], target_p[:, aligned], target_top[:, aligned], counted)
+        summed, correct = cross_entropy(logits[:, :n], target_p[:, aligned], target_top[:, aligned], counted)
         loss_k = summed / divisor
         total = total + decay**k * loss_k
         per_step.append(torch.stack([loss_k.detach(), correct.float(), count.float(), masked.sum().float()]))

@@ -31,7 +31,7 @@ from eagle3ops.tracking.run import stage_run
 from eagle3ops.training import distributed
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import WarmStart, load_warm_start, new_drafter
-from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
 from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 
@@ -67,20 +67,20 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
             simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every and world.main else None
         resume = (resume_point(f"train@{init}", {"params": cfg.stage_digest(), "inputs": tracked.input_md5s})
                   if world.main else None)
-        resumed = distributed.shared_resume(resume, world)
-        if resumed is not None and world.main:
-            print(f"train@{init}: resuming at step {resumed['step']} from {resume.path}", flush=True)
+        saved = distributed.shared_resume(resume, world)
+        if saved is not None and world.main:
+            print(f"train@{init}: resuming at step {saved['step']} from {resume.path}", flush=True)
+        recipe = Recipe(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed, device, world, optimizer_state)
+        hooks = Hooks(log=lambda step, metrics: tracked.log_metrics(metrics, step),
+                      checkpoint=(lambda state: resume.save(state.to_dict())) if resume else None,
+                      probe=simulator, probe_every=cfg.train.simulate.every, desc=f"train@{init}")
         with tracked.phase("train"):
-            result, state = train_drafter(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed,
-                                          device, log=lambda step, m: tracked.log_metrics(m, step),
-                                          state=resumed, checkpoint=resume.save if resume else None,
-                                          desc=f"train@{init}", optimizer_state=optimizer_state, probe=simulator,
-                                          probe_every=cfg.train.simulate.every, world=world)
+            result, state = train_drafter(recipe, hooks, TrainState.from_dict(saved) if saved is not None else None)
         if not world.main:
             return
         out_dir = Path(cfg.train.out_dir) / init
         with atomic_dir(out_dir) as out:
-            save_drafter(draft.cpu(), out, state)
+            save_drafter(draft.cpu(), out, state.to_dict())
         resume.clear()
         pd.DataFrame(result.history).to_csv(_plot_path(init), index=False)
         tracked.log_artifact(out_dir, "drafter")

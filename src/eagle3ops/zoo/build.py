@@ -30,7 +30,7 @@ from eagle3ops.fs import write_jsonl_atomic
 from eagle3ops.modeling.target import default_aux_layers, load_embedding_and_head, load_target
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import new_drafter
-from eagle3ops.training.loop import train_drafter
+from eagle3ops.training.loop import Hooks, Recipe, train_drafter
 from eagle3ops.zoo import corpus
 from eagle3ops.zoo.targets import build_llama, save_target, train_lm
 from eagle3ops.zoo.tokenizer import train_tokenizer
@@ -117,8 +117,9 @@ def _predecessor_drafter(cfg: Config, tokenizer, chats: list[dict], work: Path) 
                                len(tokenizer), zoo.draft_vocab_size)
     embedding, lm_head = load_embedding_and_head(work / "predecessor")
     draft = new_drafter(target.config, zoo.drafter_training.draft, aux_layers, embedding, d2t, t2d, cfg.seed)
-    result, _ = train_drafter(draft, load_feature_samples(features_dir), [], lm_head, zoo.drafter_training,
-                              cfg.seed, target.device, desc="zoo: predecessor drafter")
+    recipe = Recipe(draft, load_feature_samples(features_dir), [], lm_head, zoo.drafter_training, cfg.seed,
+                    target.device)
+    result, _ = train_drafter(recipe, Hooks(desc="zoo: predecessor drafter"))
     save_drafter(draft.cpu(), work / "predecessor-drafter")
     shutil.rmtree(features_dir)
     last = result.history[-1] if result.history else {}
