@@ -373,3 +373,92 @@ def test_hidden_states_that_do_not_fit_are_refused_before_training(tmp_path):
         load_feature_samples(tmp_path / "f")
     with pytest.raises(InputError, match="the target's hidden size is 48"):
         load_feature_samples(tmp_path / "f", hidden_size=48)
+
+
+# ---------------------------------------------------------------------------------------- as a new user tries them
+
+def test_jsonl_with_a_byte_order_mark_and_crlf_is_read(workdir, capsys, tiny_target_dir):
+    path = write_jsonl(workdir / CONVERSATIONS, [conversation(i) for i in range(3)])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes().replace(b"\n", b"\r\n"))
+    params = write_params(workdir, {"target": {"path": str(tiny_target_dir)}, "data": {"eval_fraction": 0.0}})
+    rc, err = run_cli("prepare", params, capsys)
+    assert rc == 0, err
+    assert json.loads((workdir / "metrics" / "prepare.json").read_text())["train_samples"] == 3
+
+
+def eval_workspace(workdir: Path, target_dir: Path, records: list[dict], extra_t2d: bool = False) -> Path:
+    """A drafter for the tiny target as `train.warm_start` (what eval@baseline measures) and one prompt set."""
+    from transformers import AutoConfig
+
+    from eagle3ops.config import DraftShapeConfig
+    from eagle3ops.modeling.target import load_embedding_and_head
+    from eagle3ops.training.init import new_drafter
+
+    embedding, _ = load_embedding_and_head(target_dir)
+    vocab = embedding.shape[0]
+    d2t, t2d = torch.zeros(16, dtype=torch.int64), torch.zeros(vocab, dtype=torch.bool)
+    t2d[:16] = True
+    drafter = new_drafter(AutoConfig.from_pretrained(target_dir), DraftShapeConfig(), [1, 2, 3], embedding, d2t, t2d, 0)
+    if extra_t2d:
+        drafter.t2d[100] = True  # t2d marks 17 tokens, the draft vocabulary (d2t, lm_head) has 16
+    save_drafter(drafter, workdir / "models" / "drafter")
+    write_jsonl(workdir / "bench" / "set.jsonl", records)
+    return write_params(workdir, {"target": {"path": str(target_dir), "lineage_dep": str(target_dir)},
+                                  "train": {"warm_start": "models/drafter"},
+                                  "eval": {"sets_dir": "bench", "sets": [{"name": "set", "path": "bench/set.jsonl"}],
+                                           "max_new_tokens": 4},
+                                  "mlflow": {"registered_model": None, "system_metrics": False}})
+
+
+def run_eval(params: Path, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["eval", "--drafter", "baseline", "--params", str(params)])
+    return rc, capsys.readouterr().err
+
+
+def test_eval_refuses_a_drafter_whose_vocabulary_map_disagrees_with_its_head(workdir, capsys, tiny_target_dir):
+    params = eval_workspace(workdir, tiny_target_dir, [{"prompt": "Hello world"}], extra_t2d=True)
+    rc, err = run_eval(params, capsys)
+    weights = Path("models") / "drafter" / "model.safetensors"
+    assert rc == 1 and f"{weights}: inconsistent vocabulary map" in err, err
+    assert "t2d marks 17 target tokens, the draft vocabulary has 16" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("eagle3ops eval@baseline: error: ")
+    assert not (workdir / "metrics").exists()
+
+
+def test_eval_refuses_a_chat_record_with_an_empty_user_turn(workdir, capsys, tiny_target_dir):
+    chats = [{"messages": [{"role": "user", "content": "Hello world"}]},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  "}]}]
+    rc, err = run_eval(eval_workspace(workdir, tiny_target_dir, chats), capsys)
+    assert rc == 1 and "bench/set.jsonl:2: turn 1 is a user turn with no text" in err, err
+    assert not (workdir / "metrics").exists()
+
+
+def test_export_into_a_read_only_place(workdir, capsys, tiny_target_dir):
+    import subprocess
+
+    from transformers import AutoConfig
+
+    from eagle3ops.config import DraftShapeConfig
+    from eagle3ops.modeling.target import load_embedding_and_head
+    from eagle3ops.training.init import new_drafter
+
+    embedding, _ = load_embedding_and_head(tiny_target_dir)
+    t2d = torch.zeros(embedding.shape[0], dtype=torch.bool)
+    t2d[:16] = True
+    drafter = new_drafter(AutoConfig.from_pretrained(tiny_target_dir), DraftShapeConfig(), [1, 2, 3], embedding,
+                          torch.zeros(16, dtype=torch.int64), t2d, 0)
+    save_drafter(drafter, workdir / "drafter")
+    shelf = workdir / "shelf"
+    shelf.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(shelf)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        capsys.readouterr()
+        rc = main(["export", str(workdir / "drafter"), str(shelf / "spec"), "--format", "speculators", "--target",
+                   str(tiny_target_dir)])
+        err = capsys.readouterr().err
+        assert rc == 1 and f"{shelf / 'spec'}: cannot write there (Read-only file system" in err, err
+        assert len(err.strip().splitlines()) == 1 and not list(shelf.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(shelf)], capture_output=True)

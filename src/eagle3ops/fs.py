@@ -1,6 +1,7 @@
 """Writes that never leave half a result behind: a crash leaves the previous output or nothing."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -9,13 +10,33 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3ops.errors import InputError
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class NotWritableError(InputError):
+    """An output that cannot be written where it was asked for."""
+
+
+@contextmanager
+def _writable(path: Path) -> Iterator[None]:
+    """Creating the temporary sibling of `path`: a read-only or forbidden place is one clear line."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in NOT_WRITABLE:
+            raise
+        raise NotWritableError(f"{path}: cannot write there ({err.strerror}: {err.filename or path.parent})") from None
+
 
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `path`, on error it is removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
+    with _writable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
     try:
         yield tmp
         if path.exists():
@@ -26,8 +47,9 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 
 def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with _writable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             write(out)

@@ -47,6 +47,9 @@ def _chat(record: dict, where: str) -> list[dict]:
         messages = messages[:-1]
     if not messages or messages[-1]["role"] != "user":
         raise DatasetError(f"{where}: the conversation has no user turn to answer")
+    empty = [i for i, message in enumerate(messages) if message["role"] == "user" and not message["content"].strip()]
+    if empty:
+        raise DatasetError(f"{where}: turn {empty[0]} is a user turn with no text")
     return messages
 
 

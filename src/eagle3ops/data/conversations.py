@@ -21,12 +21,15 @@ class DatasetError(InputError):
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield (line number, object) for every non-blank line."""
+    """Yield (line number, object) for every non-blank line (CRLF line ends and a UTF-8 byte-order mark are
+    accepted)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: file not found")
     with path.open("rb") as lines:
         for lineno, raw in enumerate(lines, start=1):
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as editors on Windows write one
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:

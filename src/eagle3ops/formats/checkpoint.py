@@ -117,7 +117,9 @@ def load_any_drafter(directory: str | Path, embedding: torch.Tensor) -> Eagle3Dr
     """A drafter from `directory` in any layout eagle3ops reads (see `detect_layout`), with the target's
     embedding [V, H] put in: what eval and a warm start load, so a peer's drafter needs no import step first."""
     if detect_layout(directory) == "sglang":
-        return load_drafter(directory, embedding)
+        draft = load_drafter(directory, embedding)
+        _check_vocab_map(Path(directory) / WEIGHTS, draft.d2t, draft.t2d)
+        return draft
     checkpoint = read_drafter(directory)
     draft = new_with_embedding(checkpoint.cfg, embedding, directory)
     draft.load_state_dict(checkpoint.weights, strict=False)  # read_drafter checked every name and shape
@@ -142,10 +144,14 @@ def drafter_from_raw(raw: RawCheckpoint) -> DrafterCheckpoint:
     _check_fit(cfg, tensors, raw)
     weights = {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
     weights["d2t"], weights["t2d"] = weights["d2t"].long(), weights["t2d"].bool()
-    problems = vocab_map_problems(weights["d2t"], weights["t2d"])
-    if problems:
-        raise CheckpointError(f"{raw.weights_path}: inconsistent vocabulary map:\n  " + "\n  ".join(problems))
+    _check_vocab_map(raw.weights_path, weights["d2t"], weights["t2d"])
     return DrafterCheckpoint(cfg, weights, raw.layout, raw.directory, rope_scaling, notes)
+
+
+def _check_vocab_map(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    problems = vocab_map_problems(d2t, t2d)
+    if problems:
+        raise CheckpointError(f"{path}: inconsistent vocabulary map: {'; '.join(problems)}")
 
 
 def _complete_vocab_map(cfg: DraftConfig, tensors: dict[str, torch.Tensor], path: Path, notes: list[str]) -> None:
