@@ -265,7 +265,7 @@ def test_s3_remote_round_trip(pipeline, s3_endpoint, env):
 
 
 def test_hidden_states_kept_out_of_the_remote_are_extracted_again(pipeline, env, tmp_path_factory):
-    """docs/TEAM.md's option: extract's output with `push: false`. Flipping it re-runs nothing; the remote gets
+    """docs/team.md's option: extract's output with `push: false`. Flipping it re-runs nothing; the remote gets
     everything but the hidden states; a clone cannot pull them, and `dvc repro` re-runs extract alone, to the
     same md5."""
     work = tmp_path_factory.mktemp("no-features")

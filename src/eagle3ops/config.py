@@ -182,10 +182,10 @@ class TargetConfig(Section):
     id: str = "eagle3ops-zoo/successor"  # e.g. the Hugging Face repo id, moonshotai/Kimi-K2.5
     revision: Optional[str] = None  # the commit of that repo the directory holds; checked against the download
     # What dvc.yaml hashes for the target: the whole (tiny) zoo directory by default; for a real target its
-    # config.json, so that `dvc status` does not read hundreds of GB of weights (see README, "Using your own target").
+    # config.json, so that `dvc status` does not read hundreds of GB of weights (docs/your-target.md, "The target in the lineage").
     lineage_dep: str = "models/zoo/successor"
     # Indices into Hugging Face's `output_hidden_states` tuple (0 = embeddings, i = output of decoder layer i-1).
-    # null = [2, N//2, N-3]. See README, "Which layers".
+    # null = [2, N//2, N-3]. See docs/your-target.md, "Which layers".
     aux_layers: Optional[list[int]] = None
     dtype: DType = DType.float32
     device: str = "auto"
@@ -347,7 +347,7 @@ class EvalConfig(Section):
     k: int = 3  # draft tokens per verification
     max_new_tokens: int = 96
     max_prompts: Optional[int] = None  # per set, for sets without a `limit`; null = all
-    # named prompt sets (README, "Benchmark sets"); tau is reported per set and overall
+    # named prompt sets (docs/your-target.md, "Benchmark sets"); tau is reported per set and overall
     sets: list[PromptSetConfig] = field(default_factory=_zoo_prompt_sets)
     sets_dir: str = "data/zoo/bench"  # what dvc.yaml tracks for eval: every set's file must be inside it
     # hf: decode here with the target; vllm | sglang: measure on a running server launched with the drafter

@@ -87,7 +87,7 @@ def apply_preset(name: str, params_path: str | Path, target_path: str, warm_star
         raise PresetError(f"{params_path}: params file not found")
     settings = preset["params"]
     settings["target"]["path"] = target_path
-    settings["target"]["lineage_dep"] = f"{target_path.rstrip('/')}/config.json"  # see README, "Using your own target"
+    settings["target"]["lineage_dep"] = f"{target_path.rstrip('/')}/config.json"  # docs/your-target.md, "The target in the lineage"
     if warm_start:
         settings.setdefault("train", CommentedMap())["warm_start"] = warm_start
     yaml = _yaml()
