@@ -304,7 +304,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, target_top:
 
     logits [B, n, Vd] (bf16 under autocast), target_p [B, n, Vd] float32, target_top, counted [B, n]
     -> (sum over counted positions of -(p * log_softmax(z)).sum(-1), how many of them have argmax z = target_top).
-    Written as lse(z) * sum(p) - (p * z).sum(-1), so that compiled (as `ttt_loss` runs it on a GPU) the forward
+    Written as lse(z) * sum(p) - (p * z).sum(-1), so that compiled (as the training loop runs it on a GPU) the forward
     is one reduction kernel over the logits and the backward one pointwise kernel, softmax(z) * sum(p) - p, with
     no float32 copy of the logits kept between them.
     """
