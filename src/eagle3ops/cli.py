@@ -162,8 +162,9 @@ def parser() -> argparse.ArgumentParser:
         description="Apply a target preset (src/eagle3ops/presets/NAME.yaml) to params.yaml. It sets target.id, "
                     "target.revision (null: pin the commit you downloaded), target.aux_layers, target.dtype, "
                     "target.trust_remote_code, target.chat_template, target.path and target.lineage_dep "
-                    "(DIR/config.json: DVC hashes that, not the weights), data.draft_vocab_size, extract.dtype, the "
-                    "published drafter's shape under train.draft, and train.warm_start with --warm-start. Every "
+                    "(DIR/config.json: DVC hashes that, not the weights), data.draft_vocab_size, extract.dtype, "
+                    "extract.samples_per_shard, train.simulate.every (0: off), the published drafter's shape under "
+                    "train.draft, and train.warm_start with --warm-start. Every "
                     "other key and the comments stay; the target must have the preset's architecture, and the "
                     "result is checked against the schema before it replaces the file.")
     preset.add_argument("name", nargs="?", metavar="NAME", help="the preset (see --list)")
