@@ -1,6 +1,7 @@
 """Stage runs against a real sqlite MLflow store in a temporary directory."""
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -103,7 +104,8 @@ def test_run_names_and_tags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     with stage_run(cfg, "train", "scratch", inputs=["./data/features/", "data/missing"]) as run:
         pass
     data = get_run(cfg, run.run_id).data
-    assert get_run(cfg, run.run_id).info.run_name == "train@scratch"
+    parent = parent_of(cfg, run.run_id)
+    assert get_run(cfg, run.run_id).info.run_name == f"train@scratch · {parent.info.run_name}"  # its pipeline too
     assert data.tags["eagle3ops.stage"] == "train"
     assert data.tags["eagle3ops.variant"] == "scratch"
     assert data.tags["eagle3ops.dvc_stage"] == "train@scratch"
@@ -117,7 +119,10 @@ def test_run_names_and_tags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not any(tag.startswith("dvc.input.data/missing") for tag in data.tags)
     assert data.params["seed"] == "7"
     assert data.params["target.aux_layers"] == "[2, 4, 5]"
-    assert data.params["threads"] == "None"
+    assert "threads" not in data.params and "mlflow.experiment" not in data.params  # where it ran: not lineage
+    hardware = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.run_id, artifact_path="hardware.json",
+                                                                   tracking_uri=tracking_uri(cfg))).read_text())
+    assert hardware["cpu_logical_cores"] and hardware["torch"]
 
 
 def test_hardware_label_override() -> None:
@@ -167,7 +172,7 @@ def test_artifacts_are_logged(tmp_path: Path) -> None:
         run.log_artifact(tmp_path / "report.md")
         run.log_artifact("plots")
     store = client(cfg)
-    assert {a.path for a in store.list_artifacts(run.run_id)} == {"report.md", "plots"}
+    assert {a.path for a in store.list_artifacts(run.run_id)} == {"report.md", "plots", "hardware.json"}
     assert [a.path for a in store.list_artifacts(run.run_id, "plots")] == ["plots/tau.csv"]
     assert (tmp_path / "mlruns").is_dir()  # artifacts sit beside mlflow.db
 

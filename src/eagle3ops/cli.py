@@ -10,6 +10,8 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
+from importlib.metadata import version
 from pathlib import Path
 
 from eagle3ops.config import (
@@ -59,9 +61,34 @@ def _store_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--tracking-uri", help="MLflow store (default: as the stages resolve it from --params)")
 
 
+class _Commands(argparse._SubParsersAction):
+    """Subcommands listed in two groups by the top-level --help: the pipeline's stages, then the tools."""
+
+    def add_parser(self, name, **kwargs):
+        self.summaries = {**getattr(self, "summaries", {}), name: kwargs.pop("help")}
+        return super().add_parser(name, **kwargs)
+
+
+def _grouped(commands: _Commands) -> str:
+    width = max(map(len, commands.summaries)) + 4
+
+    def lines(names) -> list[str]:
+        return [textwrap.fill(commands.summaries[name], 110, initial_indent=f"  {name:{width - 2}}",
+                              subsequent_indent=" " * width) for name in names]
+
+    tools = [name for name in commands.summaries if name not in STAGES]
+    return "\n".join(["pipeline stages (`dvc repro` runs them, each `eagle3ops STAGE`):", *lines(STAGES), "",
+                      "tools:", *lines(tools), "", "`eagle3ops COMMAND --help` says more about each."])
+
+
 def parser() -> argparse.ArgumentParser:
-    main = argparse.ArgumentParser(prog="eagle3ops", description="EAGLE-3 drafter pipeline stages (run by dvc repro).")
-    commands = main.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    main = argparse.ArgumentParser(prog="eagle3ops", usage="%(prog)s [-h] [--version] COMMAND ...",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   description="EAGLE-3 drafters: a DVC pipeline of stages, and tools for its runs.")
+    main.add_argument("--version", action="version", version=f"%(prog)s {version('eagle3ops')}")
+    main.register("action", "commands", _Commands)
+    commands = main.add_subparsers(dest="stage", required=True, metavar="COMMAND", action="commands",
+                                   help=argparse.SUPPRESS)
     for name, help_text in STAGES.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
@@ -198,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     add_arguments(commands.add_parser(
         "tracking-server", help="start the team's MLflow server: PostgreSQL, served artifacts, basic auth",
         description=DESCRIPTION))
+    main.epilog = _grouped(commands)
     return main
 
 

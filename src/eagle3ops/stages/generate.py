@@ -32,7 +32,7 @@ from eagle3ops.tracking.run import stage_run
 def run(cfg: Config) -> None:
     backend = cfg.generate.backend
     identity = identity_params(cfg.target)
-    with stage_run(cfg, "generate", variant=backend, inputs=[cfg.data.conversations, cfg.target.path],
+    with stage_run(cfg, "generate", inputs=[cfg.data.conversations, cfg.target.path],
                    extra_params=identity) as tracked:
         conversations = load_conversations(cfg.data.conversations)
         metrics: dict = {"backend": backend, "conversations": len(conversations)}

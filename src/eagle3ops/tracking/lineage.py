@@ -31,10 +31,12 @@ def git(root: Path, *args: str) -> str | None:
 
 
 def git_state(root: Path) -> tuple[str, bool]:
-    """(HEAD commit or "nogit", whether the work tree differs from it)."""
+    """(HEAD commit or "nogit", whether a file git tracks differs from it). What DVC writes is left out: dvc.lock,
+    rewritten after every stage, and the stages' outputs (metrics, plots and reports live in git), else the
+    second stage of a fresh clone's first `dvc repro` would already call the tree dirty."""
     commit = git(root, "rev-parse", "HEAD") or "nogit"
-    # dvc.lock is rewritten after every stage of a `dvc repro`; counting it would mark all later stages dirty.
-    status = git(root, "status", "--porcelain", "--", ":(exclude,glob)**/dvc.lock")
+    outputs = [f":(exclude,literal){path}" for path in lock_outputs(root / "dvc.lock")]
+    status = git(root, "status", "--porcelain", "--", ".", ":(exclude,glob)**/dvc.lock", *outputs)
     return commit, bool(status)
 
 
@@ -183,6 +185,7 @@ def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str,
     produced the cached outputs (found by dvc.lock hash) and carries its params and final metrics, so every
     parent shows the whole chain. Returns the linked stage names."""
     stamp_finished_stages(client, experiment_id, root)
+    pipeline_name = client.get_run(parent_id).info.run_name
     present = {r.data.tags.get("eagle3ops.dvc_stage")
                for r in _stage_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent_id}'")}
     linked = []
@@ -195,7 +198,7 @@ def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str,
             continue
         tags = {k: v for k, v in original.data.tags.items() if not k.startswith("mlflow.")}
         tags.update({CACHED_FROM_TAG: original.info.run_id, "mlflow.parentRunId": parent_id})
-        link = client.create_run(original.info.experiment_id, run_name=f"{original.info.run_name} (cached)", tags=tags)
+        link = client.create_run(original.info.experiment_id, run_name=f"{stage} · {pipeline_name} (cached)", tags=tags)
         client.log_batch(link.info.run_id,
                          metrics=[Metric(k, v, int(time.time() * 1000), 0) for k, v in original.data.metrics.items()],
                          params=[Param(k, v) for k, v in original.data.params.items()])

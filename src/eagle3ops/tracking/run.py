@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric
 
-from eagle3ops.config import Config
+from eagle3ops.config import NOT_LINEAGE, Config
 from eagle3ops.tracking import hardware
 from eagle3ops.tracking.lineage import (
     git_state,
@@ -51,6 +52,10 @@ from eagle3ops.tracking.store import (
 
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
 MAX_PARAM_CHARS = 500
+# The hardware facts a runs table filters and groups by; every fact is in the run's hardware.json
+HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores")
+# MLflow announces every start and stop of its system-metrics thread at INFO, twice per stage run
+logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
 
 
 def _param_text(value) -> str:
@@ -204,6 +209,7 @@ def stage_run(
     root = project_root()
     uri = tracking_uri(cfg)
     commit, dirty = git_state(root)
+    dvc_stage = os.environ.get("DVC_STAGE") or (f"{stage}@{variant}" if variant else stage)
     digest = cfg.digest()
     exp_name = os.environ.get("DVC_EXP_NAME")
     key = exp_name or _invocation_key() or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
@@ -218,17 +224,18 @@ def stage_run(
         ROLE_TAG: "stage",
         "eagle3ops.stage": stage,
         "eagle3ops.variant": variant or "",
-        "eagle3ops.dvc_stage": os.environ.get("DVC_STAGE", ""),
+        "eagle3ops.dvc_stage": dvc_stage,
         "eagle3ops.git_dirty": str(dirty).lower(),
         "hardware.label": hardware.label(fp, cfg.hardware.label),
-        **{f"hardware.{name}": str(value) for name, value in fp.items()},
+        **{f"hardware.{name}": str(fp[name]) for name in HARDWARE_TAGS},  # the rest: hardware.json
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},
     }
-    run_name = f"{stage}@{variant}" if variant else stage
-    params = {**{key: _param_text(value) for key, value in cfg.stage_params().items()},
+    # What the stage's results depend on: the params it declares (not where it ran), and the target's identity
+    params = {**{key: _param_text(value) for key, value in cfg.stage_params().items()
+                 if not any(key == name or key.startswith(f"{name}.") for name in NOT_LINEAGE)},
               **{key: _param_text(str(value)) for key, value in (extra_params or {}).items()}}
     record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
-              "run_name": run_name, "tags": tags, "params": params}
+              "run_name": f"{dvc_stage} · {name}", "tags": tags, "params": params}
 
     handle = StageRun(None, None, start, None, None, root, record)
     try:
@@ -240,10 +247,13 @@ def stage_run(
         parent_id = find_or_create_parent_run(client, experiment_id, key, name, shared)
         stamp_finished_stages(client, experiment_id, root)
         tag_experiment_commits(client, experiment_id, root)
+        # named after its pipeline run too: charts over several pipeline runs tell their stage runs apart
+        run_name = f"{dvc_stage} · {client.get_run(parent_id).info.run_name}"
         active = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, parent_run_id=parent_id, tags=tags,
                                   log_system_metrics=cfg.mlflow.system_metrics)
         handle = StageRun(client, active.info.run_id, start, experiment_id, parent_id, root, record)
         mlflow.log_params(params)
+        mlflow.log_dict(fp, "hardware.json")
         _log_inputs(client, active.info.run_id, md5s)
     except UNREACHABLE as err:
         handle.go_offline(err)
