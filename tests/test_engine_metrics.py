@@ -254,5 +254,5 @@ def test_eval_stage_with_vllm_backend_writes_the_hf_schema(tmp_path, monkeypatch
     assert (metrics["verify_steps"], metrics["accepted_tokens"], metrics["tau"]) == (steps, accepted,
                                                                                       round(1 + accepted / steps, 4))
     assert [metrics[f"accept_{i}"] for i in (1, 2, 3)] == [round(n * STEPS_PER_REQUEST / steps, 4) for n in (7, 7, 5)]
-    assert metrics["backend"] == "vllm" and metrics["k"] == K and "lossless" not in metrics
+    assert sum(key.startswith("accept_") for key in metrics) == K and "lossless" not in metrics
     assert metrics["emitted_tokens"] == steps + accepted and metrics["spec_tokens_per_s"] > 0

@@ -432,7 +432,7 @@ def test_export_stage_writes_validated_layouts_and_serving_md(tmp_path, monkeypa
     assert "--speculative-draft-model-path models/export/sglang" in serving
     assert "vllm serve models/export/speculators" in serving
     metrics = json.loads((tmp_path / "metrics" / "export.json").read_text())
-    assert metrics["formats"] == ["sglang", "speculators"] and metrics["warnings"] == 0
+    assert metrics["warnings"] == 0 and metrics["sglang_mb"] > 0 and metrics["speculators_mb"] > 0
 
 
 @pytest.mark.parametrize("key, value", [("export.formats=[sglang,onnx]", "export.formats"),

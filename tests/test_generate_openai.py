@@ -128,7 +128,7 @@ def test_stage_killed_midway_resumes_without_generating_anything_twice(served_ta
     assert [r["id"] for r in out] == [c["id"] for c in conversations]  # none lost, input order
     assert all(out[int(key[1:])] == record for key, record in logged.items())  # kept as the first run wrote them
     metrics = json.loads((tmp_path / "metrics" / "generate.json").read_text())
-    assert metrics["backend"] == "openai" and metrics["turns"] == 32
+    assert metrics["turns"] == 32
     assert metrics["resumed_conversations"] == len(logged)
     assert metrics["requests"] == 1 + 2 * (16 - len(logged))  # only the missing conversations were sent
     assert metrics["tokens_per_s"] > 0 and metrics["unfinished_turns"] <= 32

@@ -48,7 +48,8 @@ def test_repro_builds_every_stage(repo, first_run):
     for drafter in ("baseline", "scratch", "warm_start"):
         metrics = json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())
         assert metrics["lossless"] is True, metrics["mismatched_ids"]
-        assert 1.0 <= metrics["tau"] <= 4.0 and metrics["k"] == 3
+        assert 1.0 <= metrics["tau"] <= 4.0 and sorted(k for k in metrics if k.startswith("accept_")) == [
+            "accept_1", "accept_2", "accept_3"]
         assert metrics["verify_steps"] > 0
     checkpoint = repo / "models" / "drafters" / "scratch"
     assert {"config.json", "model.safetensors", "training_state.pt"} <= {p.name for p in checkpoint.iterdir()}
@@ -89,12 +90,21 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
     features_md5 = lock_md5(repo, "extract", "data/features")
     assert train.data.tags["dvc.input.data/features"] == features_md5
     assert features_md5 in {d.dataset.digest for d in train.inputs.dataset_inputs}  # MLflow inputs carry DVC md5s
-    assert train.data.tags["hardware.label"] and train.data.tags["hardware.cpu_logical_cores"]
+    assert train.data.tags["hardware.label"] and train.data.tags["hardware.cpu_usable_cores"]
     assert len(store.get_metric_history(train.info.run_id, "train/loss")) >= 3
     assert store.list_artifacts(train.info.run_id, "drafter")
+    parent = store.get_run(first.run_id)
     for drafter in ("baseline", "scratch", "warm_start"):
-        recorded = json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())["tau"]
-        assert first.metric(f"eval@{drafter}", "tau") == recorded
+        recorded = json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())
+        assert first.metric(f"eval@{drafter}", "tau") == recorded["tau"]
+        # the pipeline run itself shows the headline: tau per drafter and per set, losslessness
+        assert parent.data.metrics[f"tau/{drafter}"] == recorded["tau"] and parent.data.metrics[f"lossless/{drafter}"] == 1
+        assert all(parent.data.metrics[f"tau/{drafter}/{name}"] == tau for name, tau in recorded["tau_by_set"].items())
+    assert parent.data.params["train.lr"] == "0.003" and parent.data.params["overrides"] == "none"
+    assert parent.data.tags["mlflow.note.content"].startswith("# eagle3ops report")
+    assert json.loads((repo / "metrics.json").read_text())["tau"]["scratch"] == parent.data.metrics["tau/scratch"]
+    experiment = store.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on its runs table
     assert {a.path for a in store.list_artifacts(first.run_id, "lineage")} == {
         "lineage/dvc.yaml", "lineage/params.yaml", "lineage/dvc.lock"}
 
@@ -144,6 +154,8 @@ def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     original = next(p for p in pipelines(repo) if "eagle3ops.reproduces" not in p.tags and p.name != "lr-1e-3")
     assert experiment.stages["extract"].run_id == original.stages["extract"].run_id
     assert experiment.stages["train@scratch"].params["train.lr"] == "0.001"
+    assert client(repo).get_run(experiment.run_id).data.params["overrides"] == "train.lr=0.001"
+    assert experiment.stages["zoo"].params == original.stages["zoo"].params  # a cached stage keeps its own params
     shown = run(["dvc", "exp", "show", "--json"], repo)
     assert "lr-1e-3" in shown and "tau" in shown
 

@@ -467,6 +467,14 @@ class Config(Section):
         flat = _flatten(full, "")
         return flat if readable is None else {key: value for key, value in flat.items() if _covered(key, readable)}
 
+    def pipeline_params(self, keys: Iterable[str]) -> dict[str, Any]:
+        """{dotted key: value} of `keys`, less NOT_LINEAGE, from the whole config, also in a stage's view: what a
+        pipeline run records about itself (on its MLflow parent run), never an input of a stage's own work."""
+        full, _ = self.__dict__.get("_stage", (self, None))
+        keys = set(keys)
+        return {key: value for key, value in _flatten(full, "").items()
+                if _covered(key, keys) and not _covered(key, NOT_LINEAGE)}
+
     def digest(self) -> str:
         """Short hash of the whole resolved config: equal digests mean the same parameters everywhere."""
         full, _ = self.__dict__.get("_stage", (self, None))

@@ -17,6 +17,11 @@ STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
 COLORS = dict(zip(EvalDrafter, ("#999999", "#1f77b4", "#ff7f0e")))
 
 
+def draft_positions(eval_metrics: dict) -> int:
+    """k, the draft tokens per verification, as the eval's accept_1..accept_k say."""
+    return sum(1 for key in eval_metrics if key.startswith("accept_"))
+
+
 def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
     rows = []
     for drafter in EvalDrafter:
@@ -25,11 +30,11 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
             continue
         train = metrics.get(f"train-{drafter}", {})
         rows.append({"drafter": drafter, "tau": m["tau"],
-                     **{f"a{i}": m[f"accept_{i}"] for i in range(1, m["k"] + 1)},
+                     **{f"a{i}": m[f"accept_{i}"] for i in range(1, draft_positions(m) + 1)},
                      "lossless": ("yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)")
-                     if "lossless" in m else f"not checked ({m['backend']})",  # engine backends: no reference
+                     if "lossless" in m else "not checked",  # sampled, or measured on an engine: no reference
                      "vocab coverage": m.get("draft_vocab_coverage"),
-                     "ttt acc_0 (held-out)": train.get("eval_acc_0")})
+                     "ttt acc_0 (held-out)": train.get("eval/acc_0")})
     return pd.DataFrame(rows)
 
 
@@ -69,6 +74,33 @@ def plot_tau_by_set(metrics: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def headline(metrics: dict[str, dict]) -> dict:
+    """The pipeline run in a few numbers, for `metrics.json` (what `dvc exp show` puts first): tau per drafter,
+    the simulator's last tau per trained drafter, each stage's wall time and their sum."""
+    times = {stage: metrics[stage]["time"]["stage_s"] for stage in STAGES if stage in metrics}
+    return {"tau": {drafter: metrics[f"eval-{drafter}"]["tau"] for drafter in EvalDrafter if f"eval-{drafter}" in metrics},
+            "sim_tau": {init: metrics[f"train-{init}"]["sim/tau"] for init in TrainInit
+                        if "sim/tau" in metrics.get(f"train-{init}", {})},
+            "time_s": {**times, "total": round(sum(times.values()), 3)}}
+
+
+def pipeline_metrics(metrics: dict[str, dict]) -> dict[str, float]:
+    """The MLflow metrics of the pipeline run itself (its parent run): the headline, and per drafter tau on each
+    benchmark set, acceptance by draft position and losslessness (1 or 0; left out where it was not checked)."""
+    top = headline(metrics)
+    flat = {f"tau/{drafter}": tau for drafter, tau in top["tau"].items()}
+    flat.update({f"sim_tau/{init}": tau for init, tau in top["sim_tau"].items()})
+    flat.update({f"time/{stage}_s": seconds for stage, seconds in top["time_s"].items()})
+    for drafter in top["tau"]:
+        m = metrics[f"eval-{drafter}"]
+        flat.update({f"tau/{drafter}/{name}": tau for name, tau in m.get("tau_by_set", {}).items()})
+        flat.update({f"a{i}/{drafter}": m[f"accept_{i}"] for i in range(1, draft_positions(m) + 1)
+                     if m[f"accept_{i}"] is not None})
+        if "lossless" in m:
+            flat[f"lossless/{drafter}"] = float(m["lossless"])
+    return flat
+
+
 def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
     rows = []
     for stage in STAGES:
@@ -86,7 +118,7 @@ def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
 def acceptance_curve(metrics: dict[str, dict]) -> pd.DataFrame:
     """Long form (drafter, position, acceptance) for `dvc plots` and the PNG."""
     rows = [{"drafter": d, "position": i, "acceptance": metrics[f"eval-{d}"][f"accept_{i}"]}
-            for d in EvalDrafter if f"eval-{d}" in metrics for i in range(1, metrics[f"eval-{d}"]["k"] + 1)]
+            for d in EvalDrafter if f"eval-{d}" in metrics for i in range(1, draft_positions(metrics[f"eval-{d}"]) + 1)]
     return pd.DataFrame(rows, columns=["drafter", "position", "acceptance"])
 
 

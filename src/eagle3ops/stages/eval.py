@@ -19,7 +19,6 @@ from eagle3ops.progress import progress
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
-from eagle3ops.tracking.store import scrub
 
 
 def drafter_path(cfg: Config, drafter: str) -> Path:
@@ -77,15 +76,14 @@ def run(cfg: Config, drafter: str) -> None:
         tracked.log_artifact(path, "drafter")
         if cfg.mlflow.registered_model:
             tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
+        if mismatched:
+            tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
+        fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()})
+        _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
-            **model_size(target), "emitted_tokens": spec_tokens,
-            "drafter": drafter, "backend": "hf", "k": cfg.eval.k, "topk": settings.topk,
-            "num_draft_tokens": settings.tree_size + 1, "temperature": settings.temperature, "top_p": settings.top_p,
-            "batch_size": batch_size, "prompts": len(prompts),
-            **acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()}),
+            **model_size(target), "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
-            **({"lossless": not mismatched, "mismatched_prompts": len(mismatched), "mismatched_ids": mismatched[:20]}
-               if settings.greedy else {}),
+            **({"lossless": not mismatched, "mismatched_prompts": len(mismatched)} if settings.greedy else {}),
             "draft_vocab_coverage": round(in_vocab / max(1, plain_tokens), 4),  # target tokens it can draft at all
             "spec_tokens_per_s": round(spec_tokens / spec_s, 1), "target_tokens_per_s": round(plain_tokens / plain_s, 1),
         })
@@ -111,12 +109,16 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
             fields.update({f"accept_{i}": None for i in range(1, ev.k + 1)})
         tokens = sum(result.completion_tokens for result in measured.values())
         seconds = sum(result.seconds for result in measured.values())
+        _log_per_set(tracked, fields)
         tracked.log_artifact(path, "drafter")
         if cfg.mlflow.registered_model:
             tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
         record(tracked, f"eval-{drafter}", {
-            "drafter": drafter, "backend": ev.backend, "server_url": scrub(ev.server_url), "k": ev.k,
             "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
             "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-            "concurrency": ev.concurrency, "temperature": ev.temperature,
         })
+
+
+def _log_per_set(tracked, fields: dict) -> None:
+    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set)."""
+    tracked.log_metrics({f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()})

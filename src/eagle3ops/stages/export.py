@@ -21,5 +21,4 @@ def run(cfg: Config) -> None:
         tracked.log_artifact(out_dir / "SERVING.md", "export")
         sizes = {f"{fmt}_mb": round(sum(f.stat().st_size for f in (out_dir / fmt).iterdir()) / 2**20, 3)
                  for fmt in reports}
-        record(tracked, "export", {"drafter": cfg.export.drafter, "formats": list(reports),
-                                   "warnings": sum(len(r.warnings) for r in reports.values()), **sizes})
+        record(tracked, "export", {"warnings": sum(len(r.warnings) for r in reports.values()), **sizes})

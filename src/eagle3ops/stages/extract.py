@@ -50,7 +50,8 @@ def _extract(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
             model, read_tokenized(prepared / split), aux_layers, work / split, cfg.extract.batch_size,
             cfg.extract.samples_per_shard, cfg.extract.dtype, meta={"target": cfg.target.path, "split": split},
             desc=f"extract {split}", resumable=True, max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction))
-    return {**model_size(model), **counters, "aux_layers": aux_layers}
+    tracked.set_tags({"eagle3ops.aux_layers": str(aux_layers)})
+    return {**model_size(model), **counters}
 
 
 def _import(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
@@ -64,8 +65,9 @@ def _import(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
             source, plan.splits[split], work / split, cfg.extract.samples_per_shard, cfg.extract.dtype,
             meta={"target": cfg.target.path, "split": split, "source": origin}, desc=f"import {split}",
             resumable=True, max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction))
-    return {**checkpoint_size(cfg.target.path), **counters, "aux_layers": layout.aux_layers,
-            "source_format": source.name, "source_layer_ids": source.layer_ids, "missing": plan.missing,
+    tracked.set_tags({"eagle3ops.aux_layers": str(layout.aux_layers), "eagle3ops.import.format": source.name,
+                      "eagle3ops.import.layer_ids": str(source.layer_ids)})  # the manifests record them too
+    return {**checkpoint_size(cfg.target.path), **counters, "missing": plan.missing,
             "loss_mask_differs": plan.loss_mask_differs}
 
 

@@ -35,7 +35,7 @@ def run(cfg: Config) -> None:
     with stage_run(cfg, "generate", inputs=[cfg.data.conversations, cfg.target.path],
                    extra_params=identity) as tracked:
         conversations = load_conversations(cfg.data.conversations)
-        metrics: dict = {"backend": backend, "conversations": len(conversations)}
+        metrics: dict = {"conversations": len(conversations)}
         work = None
         if backend == "hf":
             work = _work_dir({"params": cfg.stage_digest(), "inputs": tracked.input_md5s})

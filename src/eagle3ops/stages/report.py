@@ -1,16 +1,29 @@
 """Stage `report`: compare the variants (tau overall and per benchmark set, per-position acceptance, stage
-timings) in markdown, CSV and PNG."""
+timings) in markdown, CSV and PNG; the headline in metrics.json; and the pipeline run's own MLflow record (its
+parent run): the headline, the params that define the pipeline and those set for it, the report."""
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from eagle3ops.config import Config, TrainInit
-from eagle3ops.fs import atomic_dir
-from eagle3ops.reporting.summary import STAGES, acceptance_curve, markdown, plot, plot_tau_by_set, tau_by_set_table
+from eagle3ops.fs import atomic_dir, write_json_atomic
+from eagle3ops.reporting.summary import (
+    STAGES,
+    acceptance_curve,
+    headline,
+    markdown,
+    pipeline_metrics,
+    plot,
+    plot_tau_by_set,
+    tau_by_set_table,
+)
+from eagle3ops.tracking.lineage import params_overrides, pipeline_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, read_metrics
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.store import scrub, tracking_uri
+
+HEADLINE = Path("metrics.json")  # short column names in `dvc exp show`: metrics.json:tau.scratch
 
 
 def run(cfg: Config) -> None:
@@ -25,7 +38,13 @@ def run(cfg: Config) -> None:
             plot(metrics, histories, out / "comparison.png")
             tau_by_set_table(metrics).to_csv(out / "tau_by_set.csv", index=False)
             plot_tau_by_set(metrics, out / "tau_by_set.png")
+        write_json_atomic(HEADLINE, headline(metrics))
         tracked.log_artifact(Path(cfg.report.out_dir), "report")
+        overrides = params_overrides(tracked.root)
+        tracked.log_pipeline(pipeline_metrics(metrics), {
+            **cfg.pipeline_params(pipeline_params(tracked.root)),
+            "overrides": "; ".join(f"{key}={value}" for key, value in sorted(overrides.items())) or "none"}, text)
+        tracked.log_pipeline_artifact(Path(cfg.report.out_dir), "report")
         tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
         with tempfile.TemporaryDirectory() as lineage:  # what `eagle3ops reproduce` needs, passwords masked
             for name in ("dvc.yaml", "params.yaml", "dvc.lock"):

@@ -70,7 +70,8 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         saved = distributed.shared_resume(resume, world)
         if saved is not None and world.main:
             print(f"train@{init}: resuming at step {saved['step']} from {resume.path}", flush=True)
-        recipe = Recipe(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed, device, world, optimizer_state)
+        recipe = Recipe(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed, device, world,
+                        optimizer_state)
         hooks = Hooks(log=lambda step, metrics: tracked.log_metrics(metrics, step),
                       checkpoint=(lambda state: resume.save(state.to_dict())) if resume else None,
                       probe=simulator, probe_every=cfg.train.simulate.every, desc=f"train@{init}")
@@ -85,11 +86,10 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         pd.DataFrame(result.history).to_csv(_plot_path(init), index=False)
         tracked.log_artifact(out_dir, "drafter")
         record(tracked, f"train-{init}", {
-            "init": init, "steps": result.steps, "ttt_steps": cfg.train.ttt_steps,
-            "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad), "train_tokens": result.tokens,
-            "steps_per_s": round(result.steps_per_s, 2), "tokens_per_s": round(result.tokens_per_s, 1),
-            "simulator_s": round(result.probe_s, 1),
-            **{key.replace("/", "_"): round(value, 4) for key, value in result.final.items()},
+            "steps": result.steps, "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
+            "train_tokens": result.tokens, "steps_per_s": round(result.steps_per_s, 2),
+            "tokens_per_s": round(result.tokens_per_s, 1), "simulator_s": round(result.probe_s, 1),
+            **{key: round(value, 4) for key, value in result.final.items()},  # eval/..., sim/...
             **(_warm_start_metrics(warm) if warm else {}),
         })
 
@@ -119,9 +119,10 @@ def _log_warm_start(tracked, warm: WarmStart) -> None:
 
 
 def _warm_start_metrics(warm: WarmStart) -> dict:
-    return {"warm_start_sha256": warm.sha256, "warm_start_compat": warm.compat.verdict,
-            "warm_start_coverage": warm.compat.draft_vocab_coverage, "remapped_rows": warm.remapped_rows,
-            "optimizer_continued": warm.optimizer_state is not None}
+    """Its draft-vocabulary coverage of the new data and, re-headed, the rows that are new (its digest and the
+    check's verdict are tags of the run)."""
+    return {"warm_start_coverage": warm.compat.draft_vocab_coverage,
+            **({"remapped_rows": warm.remapped_rows} if warm.remapped_rows is not None else {})}
 
 
 def _plot_path(init: str) -> Path:

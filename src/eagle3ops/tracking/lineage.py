@@ -102,6 +102,38 @@ def put_back_outputs(root: Path, stage: str) -> tuple[list[str], list[str]]:
     return put_back, cached
 
 
+def pipeline_params(root: Path) -> set[str]:
+    """The params keys that some stage of dvc.yaml declares: those that define a pipeline run."""
+    path = root / "dvc.yaml"
+    stages = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}) if path.is_file() else {}
+    keys: set[str] = set()
+    for name, entry in stages.items():
+        items = entry.get("foreach") if isinstance(entry, dict) else None
+        for stage in ([f"{name}@{item}" for item in items] if isinstance(items, dict) else [name]):
+            keys |= declared_params(root, stage) or set()
+    return keys
+
+
+def params_overrides(root: Path, params_file: str = "params.yaml") -> dict[str, object]:
+    """{key: value} where the work tree's params file differs from the commit's: what `dvc exp run -S` set (or
+    an edit not committed yet)."""
+    committed, current = git(root, "show", f"HEAD:{params_file}"), root / params_file
+    if committed is None or not current.is_file():
+        return {}
+    before, after = (_flat(yaml.safe_load(text) or {}) for text in (committed, current.read_text(encoding="utf-8")))
+    return {key: value for key, value in after.items() if before.get(key, object()) != value}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _normalise(path: str | Path, root: Path) -> str:
     return Path(os.path.relpath(os.path.abspath(path), root)).as_posix()
 

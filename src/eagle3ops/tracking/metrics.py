@@ -1,4 +1,7 @@
-"""Stage metrics: one JSON file per stage run under metrics/ (DVC metrics, not cached), mirrored to MLflow."""
+"""Stage metrics: one JSON file per stage run under metrics/ (DVC metrics, not cached), mirrored to MLflow.
+
+A stage's metrics are measurements: counts, rates, acceptance, times. Its settings are params (params.yaml,
+dvc.lock, the MLflow run's params) and never repeated here."""
 from __future__ import annotations
 
 import json
@@ -12,12 +15,13 @@ PLOTS_DIR = Path("plots")
 
 
 def record(run, name: str, metrics: dict) -> dict:
-    """Write metrics/<name>.json with the stage's phase timings and log the numeric values to the run."""
+    """Write metrics/<name>.json with the stage's phase timings, and log to the run the numbers it has not logged
+    already (a true/false as 1/0)."""
     result = {**metrics, "time": {f"{phase}_s": round(seconds, 3) for phase, seconds in run.timings.items()}}
     result["time"]["stage_s"] = round(run.elapsed(), 3)
     write_json_atomic(METRICS_DIR / f"{name}.json", result)
     run.log_metrics({key: float(value) for key, value in metrics.items()
-                     if isinstance(value, (int, float)) and not isinstance(value, bool)})
+                     if isinstance(value, (int, float)) and key not in run.logged})
     return result
 
 

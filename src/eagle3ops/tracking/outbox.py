@@ -44,7 +44,8 @@ class Outbox:
     def __init__(self, root: Path, record: dict):
         self.dir = root / OUTBOX_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir(parents=True)
-        self.record = {**record, "metrics": [], "artifacts": [], "register": None, "status": "RUNNING", "late_tags": {}}
+        self.record = {**record, "metrics": [], "artifacts": [], "register": None, "status": "RUNNING", "late_tags": {},
+                       "pipeline": None}
         self._save()
 
     def _save(self) -> None:
@@ -68,6 +69,10 @@ class Outbox:
         self.record["register"] = {"name": name, "artifact_path": artifact_path, "tau": tau}
         self._save()
 
+    def pipeline(self, metrics: dict[str, float], params: dict[str, str], tags: dict[str, str]) -> None:
+        self.record["pipeline"] = {"metrics": metrics, "params": params, "tags": tags}
+        self._save()
+
     def finish(self, status: str) -> None:
         self.record["status"] = status
         self._save()
@@ -80,7 +85,7 @@ def pending(root: Path) -> list[Path]:
 def sync(uri: str, root: Path) -> list[str]:
     """Upload every outbox entry to the tracking server at `uri`; returns the run ids written."""
     from eagle3ops.tracking.registry import register_drafter
-    from eagle3ops.tracking.store import find_or_create_experiment, find_or_create_parent_run
+    from eagle3ops.tracking.store import find_or_create_experiment, find_or_create_parent_run, log_pipeline_run
 
     client = MlflowClient(uri)
     done = []
@@ -111,6 +116,8 @@ def sync(uri: str, root: Path) -> list[str]:
                 client.log_artifacts(target, str(path), artifact["artifact_path"] or path.name)
             else:
                 client.log_artifact(target, str(path), artifact["artifact_path"])
+        if record.get("pipeline"):
+            log_pipeline_run(client, record["parent_id"], **record["pipeline"])
         if record["register"]:
             run = client.get_run(run_id)
             wanted = record["register"]

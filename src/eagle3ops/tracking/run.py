@@ -44,6 +44,7 @@ from eagle3ops.tracking.store import (
     default_uri,
     find_or_create_experiment,
     find_or_create_parent_run,
+    log_pipeline_run,
     project_root,
     scrub,
     store_root,
@@ -108,6 +109,7 @@ class StageRun:
         self.root = root
         self.input_md5s: dict[str, str] = {}  # dvc.lock md5 of each input the stage named
         self.timings: dict[str, float] = {}
+        self.logged: set[str] = set()  # the metric keys logged so far
         self._record = record  # what the outbox needs to recreate the run
         self.outbox: Outbox | None = None
 
@@ -147,6 +149,7 @@ class StageRun:
     def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
         """Log the finite values; None, NaN and inf are skipped rather than polluting the charts."""
         now = int(time.time() * 1000)
+        self.logged.update(key for key, value in metrics.items() if value is not None)
         batch = [
             Metric(key, float(value), now, step or 0)
             for key, value in metrics.items()
@@ -170,10 +173,21 @@ class StageRun:
         if not self._send(register):
             self.outbox.register(name, artifact_path, tau)
 
+    def log_pipeline(self, metrics: Mapping[str, float], params: Mapping[str, object], description: str) -> None:
+        """What describes the whole pipeline run goes on its parent run: its headline numbers, the params that
+        define it, and its report as the description the run page shows."""
+        metrics = {key: float(value) for key, value in metrics.items() if value is not None}
+        params = {key: _param_text(value) for key, value in params.items()}
+        tags = {"mlflow.note.content": description}
+        if not self._send(lambda: log_pipeline_run(self._client, self.parent_id, metrics, params, tags)):
+            self.outbox.pipeline(metrics, params, tags)
+
     def log_pipeline_artifact(self, path: str | Path, artifact_path: str) -> None:
-        """A file that describes the whole pipeline run (dvc.lock, params.yaml) goes on the parent run."""
-        if not self._send(lambda: self._client.log_artifact(self.parent_id, str(path), artifact_path)):
-            self.outbox.artifact(Path(path), artifact_path, on_parent=True)
+        """A file or directory that describes the whole pipeline run (dvc.lock, the report) goes on the parent."""
+        path = Path(path)
+        log = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
+        if not self._send(lambda: log(self.parent_id, str(path), artifact_path)):
+            self.outbox.artifact(path, artifact_path, on_parent=True)
 
     def link_cached_stages(self) -> list[str]:
         """At the end of a pipeline: link the runs of the stages DVC skipped (see `link_cached_stages`).

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import requests
 from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
 from eagle3ops.config import Config
@@ -65,16 +67,28 @@ def scrub(text: str) -> str:
     return re.sub(r"(?<=://)([^/:@\s]+):[^@/\s]+@", r"\1:***@", text)
 
 
+# The experiment opens on its runs table (MLflow's kind for model training, not its GenAI traces page).
+EXPERIMENT_TAGS = {
+    "mlflow.experimentKind": "custom_model_development",
+    "mlflow.note.content": "EAGLE-3 drafters trained by the eagle3ops pipeline. One parent run per `dvc repro` or "
+                           "`dvc exp run`, with tau per drafter, the params that define it and its report; under it "
+                           "one run per DVC stage (train@scratch, eval@warm_start, ...).",
+}
+
+
 def find_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another stage process created it just now
-            raise
-        return client.get_experiment_by_name(name).experiment_id
+    if experiment is None:
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another stage process created it just now
+                raise
+            experiment = client.get_experiment_by_name(name)
+    for tag, value in EXPERIMENT_TAGS.items():
+        if tag not in experiment.tags:  # one made before these tags, or by hand
+            client.set_experiment_tag(experiment.experiment_id, tag, value)
+    return experiment.experiment_id
 
 
 def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str]) -> str:
@@ -93,6 +107,19 @@ def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str
     run = client.create_run(experiment_id, run_name=name, tags={ROLE_TAG: "pipeline", **tags})
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+def log_pipeline_run(client: MlflowClient, parent_id: str, metrics: dict[str, float], params: dict[str, str],
+                     tags: dict[str, str]) -> None:
+    """The pipeline run's own numbers, params and tags (its description among them) on its parent run."""
+    now = int(time.time() * 1000)
+    entries = [Metric(key, float(value), now, 0) for key, value in metrics.items()]
+    logged = client.get_run(parent_id).data.params  # params are immutable: a report run again keeps the first
+    given = [Param(key, value) for key, value in params.items() if key not in logged]
+    for first in range(0, max(len(entries), len(given)), 100):
+        client.log_batch(parent_id, metrics=entries[first : first + 100], params=given[first : first + 100])
+    for tag, value in tags.items():
+        client.set_tag(parent_id, tag, value)
 
 
 def credentials_refused(error: BaseException) -> bool:
