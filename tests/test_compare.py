@@ -25,13 +25,13 @@ from eagle3ops.tracking.run import stage_run
 
 
 def _eval(load: float, decode: float, accepts: tuple[float, ...], spec_tokens_per_s: float) -> dict[str, float]:
-    return {"time/load_s": load, "time/decode_s": decode, "tau": 1 + sum(accepts), "k": len(accepts),
+    return {"time/load_s": load, "time/decode_s": decode, "tau": 1 + sum(accepts),
             "spec_tokens_per_s": spec_tokens_per_s, **{f"accept_{i}": a for i, a in enumerate(accepts, 1)}}
 
 
 def _train(load: float, seconds: float, steps: int, tokens: int, tokens_per_s: float) -> dict[str, float]:
     return {"time/load_s": load, "time/train_s": seconds, "steps": steps, "train_tokens": tokens,
-            "tokens_per_s": tokens_per_s, "steps_per_s": steps / seconds, "eval_acc_0": 0.8}
+            "tokens_per_s": tokens_per_s, "steps_per_s": steps / seconds, "eval/acc_0": 0.8}
 
 
 # run-a: the local reference. run-b: the same machine, more training data. run-c: a rented H200, no baseline eval.

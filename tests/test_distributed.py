@@ -241,7 +241,7 @@ def test_train_stage_under_torchrun_writes_once_what_one_process_writes(tmp_path
     _same_weights(got, expected)
     metrics = [json.loads((root / "metrics" / "train-scratch.json").read_text()) for root in (single, ranks)]
     assert metrics[1]["train_tokens"] == metrics[0]["train_tokens"] and metrics[1]["steps"] == 10
-    assert _close(metrics[1]["eval_loss"], metrics[0]["eval_loss"])
+    assert _close(metrics[1]["eval/loss"], metrics[0]["eval/loss"])
     # Rank 0 alone tracked the run and wrote the resume points, and removed them at the end.
     from mlflow import MlflowClient
 

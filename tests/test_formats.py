@@ -16,7 +16,7 @@ from eagle3ops.config import ConfigError, load_config
 from eagle3ops.decoding.speculative import speculative_greedy, target_greedy
 from eagle3ops.formats.checkpoint import detect_layout, import_drafter, read_drafter
 from eagle3ops.formats.export import export_drafter
-from eagle3ops.formats.specforge import CheckpointError, load_drafter, save_drafter
+from eagle3ops.formats.specforge import CheckpointError, load_drafter, read_weights, save_drafter
 from eagle3ops.formats.validate import validate_export
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import default_aux_layers
@@ -421,11 +421,22 @@ def test_cli_export_validate_import(ours, tmp_path, tiny_target_dir, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_export_stage_writes_validated_layouts_and_serving_md(tmp_path, monkeypatch, vocab, tiny_target_dir):
+def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tmp_path, monkeypatch, capsys, vocab,
+                                                                              tiny_target_dir):
     isolate(monkeypatch, tmp_path)
-    save_drafter(make_drafter(vocab), tmp_path / "models" / "drafters" / "warm_start")
     (tmp_path / "params.yaml").write_text(f"target: {{path: {tiny_target_dir}, lineage_dep: {tiny_target_dir}}}\n")
+    assert main(["export"]) == 1  # no eval has run: no champion to export
+    assert "export.drafter champion: neither metrics/eval-scratch.json" in capsys.readouterr().err
+    for init, seed in (("scratch", 1), ("warm_start", 2)):
+        torch.manual_seed(seed)
+        save_drafter(make_drafter(vocab), tmp_path / "models" / "drafters" / init)
+    (tmp_path / "metrics").mkdir()  # scratch has the higher tau, but changed the target's output
+    (tmp_path / "metrics" / "eval-scratch.json").write_text('{"tau": 3.1, "lossless": false}')
+    (tmp_path / "metrics" / "eval-warm_start.json").write_text('{"tau": 2.4, "lossless": true}')
     assert main(["export"]) == 0  # no DRAFTER OUT: the DVC stage, from params.yaml
+    assert "export: warm_start (champion: warm_start tau 2.400)" in capsys.readouterr().out
+    exported = load_file(str(tmp_path / "models" / "export" / "sglang" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], read_weights(tmp_path / "models" / "drafters" / "warm_start")["fc.weight"])
     for fmt in ("sglang", "speculators"):
         assert validate_export(tmp_path / "models" / "export" / fmt, fmt, tiny_target_dir).ok
     serving = (tmp_path / "models" / "export" / "SERVING.md").read_text()

@@ -113,3 +113,21 @@ def test_server_goes_down_mid_run(workspace):
     assert sorted((m.step, m.value) for m in history) == [(1, 2.0), (2, 1.0)]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert client.list_artifacts(run_id, "drafter")
+
+
+def test_a_drafter_trained_and_evaluated_offline_is_logged_and_registered_by_sync(workspace):
+    from test_registry import MEASURED, NAME, evaluated, trained
+
+    root, server, cfg = workspace
+    sha = trained(root, cfg, "scratch", 0)  # nobody listens yet: both runs go to the outbox
+    evaluated(cfg, sha, 2.5)
+    assert len(pending(root)) == 2
+
+    server.start()
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    client = MlflowClient(server.uri)
+    (model,) = client.search_logged_models([client.get_experiment_by_name("eagle3ops").experiment_id])
+    assert {f.path for f in client.list_logged_model_artifacts(model.model_id)} == {"config.json", "model.safetensors"}
+    assert {m.key: m.value for m in model.metrics} == {"tau": 2.5, "tau/gsm8k": 2.6}
+    version = client.get_model_version_by_alias(NAME, "champion")
+    assert version.source == f"models:/{model.model_id}" and MEASURED.target in version.description

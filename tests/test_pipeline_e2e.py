@@ -11,7 +11,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import micro_pipeline_repo, ran_stages, run, write_params
+from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, write_params
 from eagle3ops.runs.records import find_pipelines
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
@@ -40,7 +40,10 @@ def pipelines(repo: Path) -> list:
 
 @pytest.fixture(scope="module")
 def first_run(repo) -> str:
-    return run(["dvc", "repro"], repo)
+    """The README's first command: `dvc repro`, then its results committed as the baseline."""
+    output = run(["dvc", "repro"], repo)
+    commit(repo, "Results of the embedded default")
+    return output
 
 
 def test_repro_builds_every_stage(repo, first_run):
@@ -92,7 +95,7 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
     assert features_md5 in {d.dataset.digest for d in train.inputs.dataset_inputs}  # MLflow inputs carry DVC md5s
     assert train.data.tags["hardware.label"] and train.data.tags["hardware.cpu_usable_cores"]
     assert len(store.get_metric_history(train.info.run_id, "train/loss")) >= 3
-    assert store.list_artifacts(train.info.run_id, "drafter")
+    assert len(train.outputs.model_outputs) == 1  # its drafter, as a logged model
     parent = store.get_run(first.run_id)
     for drafter in ("baseline", "scratch", "warm_start"):
         recorded = json.loads((repo / "metrics" / f"eval-{drafter}.json").read_text())
@@ -109,13 +112,29 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
         "lineage/dvc.yaml", "lineage/params.yaml", "lineage/dvc.lock"}
 
 
-def test_drafters_are_registered_with_a_champion(repo, first_run):
+def test_trained_drafters_are_logged_models_registered_with_a_champion(repo, first_run):
     store = client(repo)
+    first = pipelines(repo)[-1]
+    experiment_id = store.get_experiment_by_name("eagle3ops").experiment_id
+    trained_by = {first.stages[f"train@{init}"].run_id: init for init in ("scratch", "warm_start")}
+    models = {m.name: m for m in store.search_logged_models([experiment_id]) if m.source_run_id in trained_by}
+    assert sorted(models) == ["scratch", "warm_start"]  # the baseline is not ours: no model of it
+    for init, model in models.items():
+        assert model.model_type == "eagle3-drafter" and model.params["train.lr"] == "0.003"
+        assert {f.path for f in store.list_logged_model_artifacts(model.model_id)} == {"config.json",
+                                                                                      "model.safetensors"}
+        recorded = json.loads((repo / "metrics" / f"eval-{init}.json").read_text())
+        linked = {(m.key, m.dataset_name): m.value for m in model.metrics}  # the eval's tau, per set on its set
+        assert linked[("tau", None)] == recorded["tau"]
+        assert {key: value for (key, dataset), value in linked.items() if dataset} == {
+            f"tau/{name}": tau for name, tau in recorded["tau_by_set"].items()}
     versions = store.search_model_versions("name = 'eagle3-drafter'")
-    assert len(versions) == 3
+    assert sorted(v.source for v in versions) == sorted(f"models:/{m.model_id}" for m in models.values())
+    assert all("eagle3ops-zoo/successor" in v.description and "k=3" in v.description for v in versions)
     best = max(versions, key=lambda v: float(v.tags["tau"]))
     assert store.get_model_version_by_alias("eagle3-drafter", "champion").version == best.version
-    assert all(v.tags["eagle3ops.pipeline_key"] for v in versions)
+    champion = next(init for init, model in models.items() if best.source == f"models:/{model.model_id}")
+    assert first.stages["export"].tags["eagle3ops.export.drafter"] == champion  # export serves the champion
 
 
 def test_dvc_shows_tau_and_timings(repo, first_run):
@@ -123,6 +142,17 @@ def test_dvc_shows_tau_and_timings(repo, first_run):
     metrics = next(iter(shown.values()))["data"]
     scratch = metrics["metrics/eval-scratch.json"]["data"]
     assert scratch["tau"] > 1.0 and scratch["time"]["stage_s"] > 0
+    assert not any(isinstance(value, str) for file in metrics.values() for value in file["data"].values())
+    plots = json.loads(run(["dvc", "plots", "show", "--json"], repo))["data"]
+
+    def drawn(name: str) -> list[dict]:
+        return plots[name][0]["content"]["data"]["values"]
+
+    for name, files in (("training loss", "train"), ("training accuracy of the first draft step", "train"),
+                        ("simulated acceptance length while training", "sim")):  # scratch and warm_start together
+        assert {point["filename"] for point in drawn(name)} == {f"{files}-scratch.csv", f"{files}-warm_start.csv"}
+    assert all(float(point["sim/tau"]) >= 1.0 for point in drawn("simulated acceptance length while training"))
+    assert {point["field"] for point in drawn("acceptance by draft position")} == {"baseline", "scratch", "warm_start"}
 
 
 def test_reproduce_gives_identical_hashes(repo, first_run):
@@ -131,7 +161,8 @@ def test_reproduce_gives_identical_hashes(repo, first_run):
     output = run(["eagle3ops", "reproduce", first.run_id, "--tracking-uri", uri, "--json", "reproduced.json"], repo)
     result = json.loads((repo / "reproduced.json").read_text())
     data_and_models = [o for o in result["outputs"] if o["kind"] == "result"]
-    assert len(data_and_models) == 10 and all(o["identical"] for o in data_and_models), output
+    # the zoo's two, generated, prepared, features, two drafters, the export, and two plots of each drafter
+    assert len(data_and_models) == 12 and all(o["identical"] for o in data_and_models), output
     taus = [m for m in result["metrics"] if m["metric"] == "tau"]
     assert len(taus) == 3 and all(m["delta"] == 0 for m in taus)
     rerun = next(p for p in pipelines(repo) if p.tags.get("eagle3ops.reproduces") == first.run_id)
@@ -170,6 +201,30 @@ def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     assert experiment.tags["eagle3ops.result_commit"] == refs[refs.index(next(r for r in refs if r.endswith("/lr-1e-3"))) + 1]
 
 
+def documented_commands(prefix: str) -> list[list[str]]:
+    """The README's commands that start with `prefix`, split as a shell would."""
+    import shlex
+
+    blocks = [block.split("```")[0] for block in (ROOT / "README.md").read_text().split("```bash\n")[1:]]
+    return [shlex.split(line) for block in blocks for line in block.splitlines() if line.startswith(prefix)]
+
+
+def test_the_documented_views_of_the_experiments_fit_a_terminal(repo, first_run):
+    """After the baseline commit and one experiment (test_changing_lr...): the README's `dvc exp show` filter
+    fits 120 columns with nothing cut off, and `dvc metrics diff` compares the workspace with the baseline."""
+    (show,) = documented_commands("dvc exp show")
+    table = run([*show, "--no-pager"], repo, env={"COLUMNS": "120"})
+    lines = [line for line in table.splitlines() if line.strip()]
+    assert max(len(line.rstrip()) for line in lines) <= 120 and "…" not in table, table
+    header = lines[1].split()
+    assert header[:4] == ["Experiment", "tau.baseline", "tau.scratch", "tau.warm_start"] and "train.lr" in header
+    assert any("[lr-1e-3]" in line and "0.001" in line for line in lines), table
+    baseline = next(line for line in lines if line.split()[0] in ("master", "main"))
+    assert "!" not in baseline, table  # the baseline row has its metrics: they are committed
+    (diff,) = documented_commands("dvc metrics diff")
+    assert "tau.scratch" in run(diff, repo)
+
+
 def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo, first_run):
     """DVC removes a stage's outputs before it runs it. A bad value then fails train@scratch: its metrics and
     plots are put back at once, and its drafter comes back with `dvc checkout`, as the message says. A missing
@@ -199,3 +254,20 @@ def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo, first_run):
     output = run(["dvc", "repro", "train@warm_start"], repo)
     assert "Running stage" not in output and "is cached" in output, output
     assert {path: (repo / path).read_bytes() for path in outputs} == kept
+
+
+def test_a_one_off_run_leaves_the_pipelines_metrics_and_champion_alone(repo, first_run):
+    """Last in this file: it adds a pipeline run of its own to the store."""
+    store = client(repo)
+    champion = store.get_model_version_by_alias("eagle3-drafter", "champion").version
+    versions = len(store.search_model_versions("name = 'eagle3-drafter'"))
+    before = (repo / "metrics" / "eval-warm_start.json").read_bytes()
+    output = run(["eagle3ops", "eval", "--drafter", "warm_start", "--set", "eval.max_prompts=1"], repo)
+    assert "a one-off run (--set eval.max_prompts=1)" in output
+    assert (repo / "metrics" / "eval-warm_start.json").read_bytes() == before
+    one_off = json.loads((repo / ".eagle3ops" / "one-off" / "metrics" / "eval-warm_start.json").read_text())
+    assert set(one_off["prompts_by_set"].values()) == {1}
+    assert store.get_model_version_by_alias("eagle3-drafter", "champion").version == champion
+    assert len(store.search_model_versions("name = 'eagle3-drafter'")) == versions
+    assert "eagle3ops.one_off" in store.search_runs(
+        [store.get_experiment_by_name("eagle3ops").experiment_id], "tags.`eagle3ops.one_off` != ''")[0].data.tags

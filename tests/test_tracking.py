@@ -214,3 +214,5 @@ def test_report_points_at_the_right_ui():
     """A tracking server is its own UI; a local store needs `mlflow ui` started on it."""
     assert mlflow_ui_hint("http://mlflow.team:5000") == "open http://mlflow.team:5000"
     assert mlflow_ui_hint("sqlite:///mlflow.db").startswith("`mlflow ui --backend-store-uri sqlite:///mlflow.db`")
+    assert mlflow_ui_hint("http://mlflow.team:5000/", "7") == (
+        "open http://mlflow.team:5000/#/experiments/7/runs?workflowType=machine_learning")

@@ -209,11 +209,14 @@ def test_the_pipeline_logs_to_the_team_server(pipeline, server, alice, postgres)
         assert float(values(stages[f"eval@{drafter}"], "metrics")["tau"]) == pytest.approx(recorded)
 
     # Artifacts go through the server into its artifacts destination; runs and users are rows in PostgreSQL.
-    listed = server.get("artifacts/list", {"run_id": train["info"]["run_id"], "path": "drafter"}, alice)
-    assert "drafter/model.safetensors" in {f["path"] for f in listed.json()["files"]}
-    assert list((server.state / "artifacts").rglob("model.safetensors"))
+    models = server.post("logged-models/search", {"experiment_ids": [experiment_id]}, alice).json()["models"]
+    assert sorted(m["info"]["name"] for m in models) == ["scratch", "warm_start"]  # the trained drafters
+    assert {m["info"]["source_run_id"] for m in models} == {stages[f"train@{init}"]["info"]["run_id"]
+                                                          for init in ("scratch", "warm_start")}
+    assert sorted(p.name for p in (server.state / "artifacts").rglob("models/*/artifacts/*")) == [
+        "config.json", "config.json", "model.safetensors", "model.safetensors"]  # no training state
     versions = server.get("model-versions/search", {"filter": "name = 'eagle3-drafter'"}, alice)
-    assert len(versions.json()["model_versions"]) == 3
+    assert len(versions.json()["model_versions"]) == 2
     assert postgres.query("select count(*) from runs")[0][0] == 1 + len(stages)
     assert postgres.query(f"select username from users where username = '{USER}'") == [(USER,)]
 

@@ -41,13 +41,16 @@ STAGES = {
 
 def _export_options(export: argparse.ArgumentParser) -> None:
     export.description = (
-        "Without DRAFTER and OUT: the DVC stage, exporting train's export.drafter into export.out_dir in every one "
+        "Without DRAFTER and OUT: the DVC stage, exporting export.drafter (default: the champion of this "
+        "pipeline's eval) into export.out_dir in every one "
         "of export.formats, with SERVING.md. With them: export that drafter (SpecForge/SGLang, EAGLE authors' or "
         "speculators layout) for the target TARGET_DIR, in the layout --format names: 'sglang' (SGLang's "
         "--speculative-draft-model-path; layer ids in SGLang's convention) or 'speculators' (`vllm serve OUT`, or "
         "vLLM's --speculative-config; layer ids in vLLM's). The export is validated before it replaces OUT; the "
         "report ends with the launch commands.")
-    export.add_argument("source", nargs="?", metavar="DRAFTER", help="the drafter directory to export (any layout)")
+    export.add_argument("source", nargs="?", metavar="DRAFTER",
+                        help="the drafter directory to export (any layout), or a registered drafter such as "
+                             "models:/eagle3-drafter@champion (from the store params.yaml's mlflow section names)")
     export.add_argument("out", nargs="?", metavar="OUT", help="the export directory (replaced atomically)")
     export.add_argument("--format", choices=list(ExportFormat), help="the layout to write (with DRAFTER OUT)")
     export.add_argument("--target", metavar="TARGET_DIR", help="the target model directory it is served with")
@@ -368,13 +371,33 @@ def _import_drafter(args) -> int:
 
 
 def _export(args) -> int:
+    import tempfile
+
     from eagle3ops.formats.export import export_drafter
 
     if not (args.source and args.out and args.format and args.target):
         raise InputError("give DRAFTER OUT --format F --target TARGET_DIR (plain `eagle3ops export` runs the DVC "
                          "stage from params.yaml's export section)")
-    print(export_drafter(args.source, args.out, args.format, args.target, args.speculative_tokens, args.dtype).render())
+    with tempfile.TemporaryDirectory() as downloaded:
+        source = _registered_drafter(args, downloaded) if args.source.startswith("models:/") else args.source
+        print(export_drafter(source, args.out, args.format, args.target, args.speculative_tokens, args.dtype).render())
     return 0
+
+
+def _registered_drafter(args, into: str) -> str:
+    """A registered or logged drafter (`models:/eagle3-drafter@champion`, `models:/eagle3-drafter/3`,
+    `models:/m-...`) downloaded from the tracking store the stages use."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from eagle3ops.tracking.store import tracking_uri
+
+    cfg = load_config(args.params) if Path(args.params).is_file() else Config()
+    try:
+        return mlflow.artifacts.download_artifacts(artifact_uri=args.source, dst_path=into,
+                                                   tracking_uri=tracking_uri(cfg))
+    except MlflowException as err:
+        raise InputError(f"{args.source}: {err.message.splitlines()[0]}") from None
 
 
 def _validate_export(args) -> int:
@@ -448,6 +471,8 @@ def _stage(args, name: str, variant: str | None) -> int:
     from importlib import import_module
 
     from eagle3ops.tracking.lineage import declared_params
+    from eagle3ops.tracking.metrics import ONE_OFF_DIR
+    from eagle3ops.tracking.run import ONE_OFF
     from eagle3ops.tracking.store import project_root
 
     try:
@@ -463,12 +488,30 @@ def _stage(args, name: str, variant: str | None) -> int:
 
         torch.set_num_threads(cfg.threads)
     stage = import_module(f"eagle3ops.stages.{args.stage}")
+    one_off = _one_off(args)
+    if one_off:
+        print(f"eagle3ops {name}: a one-off run ({one_off}): its metrics and plots go to {ONE_OFF_DIR}/, not the "
+              f"pipeline's, and no drafter is registered", file=sys.stderr, flush=True)
+    token = ONE_OFF.set(one_off)
     try:
         stage.run(cfg, variant) if variant else stage.run(cfg)
     except InputError as err:  # bad input: a clear message, no traceback
         print(f"eagle3ops {name}: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        ONE_OFF.reset(token)
     return 0
+
+
+def _one_off(args) -> str | None:
+    """Why this stage run is not the pipeline's: overrides on the command line, or another params file."""
+    from eagle3ops.tracking.store import project_root
+
+    if args.overrides:
+        return " ".join(f"--set {item}" for item in args.overrides)
+    if Path(args.params).resolve() != (project_root() / "params.yaml").resolve():
+        return f"--params {args.params}"
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())

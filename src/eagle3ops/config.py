@@ -55,6 +55,7 @@ EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
 PromptSetFormat = choices("PromptSetFormat", "chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
 DraftSampleMethod = choices("DraftSampleMethod", *DRAFT_SAMPLE_METHODS)
 ExportFormat = choices("ExportFormat", "sglang", "speculators")
+ExportDrafter = choices("ExportDrafter", "champion", "scratch", "warm_start")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
 
 # Where and how the stages run, not what they compute: no stage declares these, and changing one re-runs nothing
@@ -406,7 +407,8 @@ class ReportConfig(Section):
 @dataclass
 class ExportConfig(Section):
     """The trained drafter written in the layouts the serving engines load, validated against the target."""
-    drafter: TrainInit = TrainInit.warm_start  # which of train's drafters
+    # champion: the trained drafter with the best tau in this pipeline's eval (lossless where checked); or name one
+    drafter: ExportDrafter = ExportDrafter.champion
     out_dir: str = "models/export"  # one subdirectory per format, and SERVING.md with the launch commands
     # sglang: SGLang's --speculative-draft-model-path; speculators: `vllm serve DIR`
     formats: list[ExportFormat] = field(default_factory=lambda: [ExportFormat.sglang, ExportFormat.speculators])

@@ -115,8 +115,14 @@ def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def acceptance_by_position(metrics: dict[str, dict]) -> pd.DataFrame:
+    """position, then one column per drafter: what `dvc plots` draws as one line per drafter."""
+    curve = acceptance_curve(metrics)
+    return curve.pivot(index="position", columns="drafter", values="acceptance").reset_index().rename_axis(None, axis=1)
+
+
 def acceptance_curve(metrics: dict[str, dict]) -> pd.DataFrame:
-    """Long form (drafter, position, acceptance) for `dvc plots` and the PNG."""
+    """Long form (drafter, position, acceptance), for the PNG."""
     rows = [{"drafter": d, "position": i, "acceptance": metrics[f"eval-{d}"][f"accept_{i}"]}
             for d in EvalDrafter if f"eval-{d}" in metrics for i in range(1, draft_positions(metrics[f"eval-{d}"]) + 1)]
     return pd.DataFrame(rows, columns=["drafter", "position", "acceptance"])
@@ -151,14 +157,17 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str) -> str:
     return frame.to_markdown(index=False, floatfmt=floatfmt, missingval="-")
 
 
-def mlflow_ui_hint(tracking_uri: str) -> str:
-    """Where to look at the runs: a tracking server is already a UI; a local store needs `mlflow ui`."""
+def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
+    """Where to look at the runs: a tracking server is already a UI; a local store needs `mlflow ui`. The link
+    asks for the experiment's runs table in the model-training view: MLflow 3's UI opens experiments on its
+    GenAI (traces) pages unless the link or the user's last choice says otherwise."""
+    page = f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning" if experiment_id else ""
     if tracking_uri.startswith(("http://", "https://")):
-        return f"open {tracking_uri}"
-    return f"`mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000"
+        return f"open {tracking_uri.rstrip('/')}{page}"
+    return f"`mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000{page}"
 
 
-def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
+def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
     lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
@@ -169,5 +178,5 @@ def markdown(metrics: dict[str, dict], tracking_uri: str) -> str:
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
              "![tau by set](tau_by_set.png)", "",
              "## Stage timings", "", markdown_table(timings, ".1f"), "",
-             f"MLflow runs: {mlflow_ui_hint(tracking_uri)}", ""]
+             f"MLflow runs: {mlflow_ui_hint(tracking_uri, experiment_id)}", ""]
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from mlflow.exceptions import MlflowException
 
 from eagle3ops.config import Config, EvalDrafter, TrainInit, load_config
 from eagle3ops.errors import InputError
-from eagle3ops.reporting.summary import markdown_table
+from eagle3ops.reporting.summary import draft_positions, markdown_table
 from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
 from eagle3ops.tracking.store import ROLE_TAG, tracking_uri
 
@@ -103,7 +103,7 @@ def side_by_side(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     for drafter in EvalDrafter:
         stage = f"eval@{drafter}"
         rows[f"{drafter} tau"] = [r.metric(stage, "tau") for r in records]
-        k = max(int(r.metric(stage, "k") or 0) for r in records)
+        k = max((draft_positions(r.stages[stage].metrics) for r in records if stage in r.stages), default=0)
         for i in range(1, k + 1):
             rows[f"{drafter} a{i}"] = [r.metric(stage, f"accept_{i}") for r in records]
     for phase in PHASES:

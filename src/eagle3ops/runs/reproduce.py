@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 from eagle3ops.errors import InputError
 from eagle3ops.runs.records import load_pipeline
 from eagle3ops.tracking.lineage import lock_outputs
-from eagle3ops.tracking.metrics import METRICS_DIR, read_all
+from eagle3ops.tracking.metrics import HEADLINE, METRICS_DIR, read_all
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
 REPRODUCES_TAG = "eagle3ops.reproduces"
@@ -41,7 +41,8 @@ class Reproduction:
 
 
 def _kind(path: str, report_dir: str) -> str:
-    return "timing" if path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}")) else "result"
+    timed = path == str(HEADLINE) or path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}"))
+    return "timing" if timed else "result"
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """Stage `eval@<drafter>`: speculative decoding on the benchmark prompt sets; acceptance length per set and
 overall, and losslessness. eval.backend hf decodes here; vllm | sglang measure on a server (decoding/engines.py)."""
+import hashlib
 import time
 from collections import defaultdict
 from functools import partial
@@ -18,6 +19,7 @@ from eagle3ops.modeling.target import default_aux_layers, load_target, load_toke
 from eagle3ops.progress import progress
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.registry import Measurement, weights_sha256
 from eagle3ops.tracking.run import stage_run
 
 
@@ -39,8 +41,9 @@ def run(cfg: Config, drafter: str) -> None:
     if cfg.eval.backend != "hf":
         return run_on_engine(cfg, drafter)
     path = drafter_path(cfg, drafter)
+    identity = identity_params(cfg.target)
     with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, *(s.path for s in cfg.eval.sets)],
-                   extra_params=identity_params(cfg.target)) as tracked:
+                   extra_params=identity) as tracked:
         with tracked.phase("load"):
             tokenizer = load_tokenizer(cfg.target)
             target = load_target(cfg.target)
@@ -73,13 +76,12 @@ def run(cfg: Config, drafter: str) -> None:
                     overall.merge(generation.stats)
                     per_set[prompt["set"]].merge(generation.stats)
                 bar.update(len(chunk))
-        tracked.log_artifact(path, "drafter")
-        if cfg.mlflow.registered_model:
-            tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
         if mismatched:
             tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
         fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()})
         _log_per_set(tracked, fields)
+        _register(cfg, tracked, drafter, path, fields, identity,
+                  ("no" if mismatched else "yes") if settings.greedy else "not checked")
         record(tracked, f"eval-{drafter}", {
             **model_size(target), "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
@@ -92,9 +94,9 @@ def run(cfg: Config, drafter: str) -> None:
 def run_on_engine(cfg: Config, drafter: str) -> None:
     """eval.backend vllm | sglang: the same metrics, measured on the server at eval.server_url, which must be
     serving the target with this drafter. Losslessness is not checked (the target's own output is not at hand)."""
-    path, ev = drafter_path(cfg, drafter), cfg.eval
+    path, ev, identity = drafter_path(cfg, drafter), cfg.eval, identity_params(cfg.target)
     with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, *(s.path for s in ev.sets)],
-                   extra_params=identity_params(cfg.target)) as tracked:
+                   extra_params=identity) as tracked:
         with tracked.phase("load"):
             sets = load_sets(ev.sets, ev.max_prompts)
             # SGLang is sent token ids, rendered with the target's chat template as the hf backend renders them
@@ -110,9 +112,7 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
         tokens = sum(result.completion_tokens for result in measured.values())
         seconds = sum(result.seconds for result in measured.values())
         _log_per_set(tracked, fields)
-        tracked.log_artifact(path, "drafter")
-        if cfg.mlflow.registered_model:
-            tracked.register_drafter(cfg.mlflow.registered_model, "drafter", overall.tau)
+        _register(cfg, tracked, drafter, path, fields, identity, "not checked")
         record(tracked, f"eval-{drafter}", {
             "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
             "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
@@ -122,3 +122,27 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
 def _log_per_set(tracked, fields: dict) -> None:
     """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set)."""
     tracked.log_metrics({f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()})
+
+
+def _register(cfg: Config, tracked, drafter: str, path: Path, fields: dict, identity: dict[str, str],
+              lossless: str) -> None:
+    """A trained drafter measured by the pipeline: its tau linked to its logged model, registered, the champion
+    moved among the versions measured alike (tracking/registry.py). Not the baseline (not ours), not a one-off
+    run (`--set`, `--params`), not when mlflow.registered_model is null."""
+    if drafter == "baseline" or not cfg.mlflow.registered_model or tracked.one_off:
+        return
+    ev = cfg.eval
+    digests = {s.name: hashlib.md5(Path(s.path).read_bytes()).hexdigest() for s in ev.sets}  # DVC's md5 of a file
+    measurement = Measurement(
+        target=cfg.target.id + (f"@{cfg.target.revision}" if cfg.target.revision else ""),
+        target_digest=identity["target_identity.digest"],
+        sets=tuple(f"{name}:{digests[name]}:{count}" for name, count in fields["prompts_by_set"].items()),
+        k=ev.k,
+        decoding=(f"{ev.backend} backend, temperature {ev.temperature}, top_p {ev.top_p}, topk {ev.topk}, "
+                  f"{ev.num_draft_tokens or 'default'} draft tokens, {ev.draft_sample_method} drafts, "
+                  f"{ev.max_new_tokens} new tokens"),
+        lossless=lossless)
+    paths = {s.name: s.path for s in ev.sets}
+    linked = {"tau": (fields["tau"], None, None),
+              **{f"tau/{name}": (tau, paths[name], digests[name]) for name, tau in fields["tau_by_set"].items()}}
+    tracked.register_drafter(cfg.mlflow.registered_model, weights_sha256(path), fields["tau"], linked, measurement)

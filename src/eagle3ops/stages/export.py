@@ -1,17 +1,35 @@
-"""Stage `export`: train's drafter written in the layouts SGLang and vLLM load, each validated against the target
-before it is written, with the launch commands in SERVING.md."""
+"""Stage `export`: the champion among train's drafters (or the one export.drafter names) written in the layouts
+SGLang and vLLM load, each validated against the target before it is written, with the launch commands in
+SERVING.md."""
 from pathlib import Path
 
-from eagle3ops.config import Config
+from eagle3ops.config import Config, TrainInit
+from eagle3ops.errors import InputError
 from eagle3ops.formats.export import export_drafter, serving_guide
 from eagle3ops.fs import atomic_dir
-from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.metrics import read_metrics, record
 from eagle3ops.tracking.run import stage_run
 
 
+def champion() -> tuple[str, str]:
+    """The trained drafter with the best tau in this pipeline's eval, leaving out any that changed the target's
+    output; and why, in words."""
+    taus = {init: m["tau"] for init in TrainInit
+            if (m := read_metrics([f"eval-{init}"]).get(f"eval-{init}")) and m.get("lossless", True)}
+    if not taus:
+        raise InputError("export.drafter champion: neither metrics/eval-scratch.json nor metrics/eval-warm_start.json "
+                         "holds a lossless tau; run the eval stages, or set export.drafter to scratch or warm_start")
+    best = max(taus, key=taus.get)
+    return best, "champion: " + ", ".join(f"{init} tau {tau:.3f}" for init, tau in sorted(taus.items(),
+                                                                                          key=lambda item: -item[1]))
+
+
 def run(cfg: Config) -> None:
-    drafter, out_dir = Path(cfg.train.out_dir) / cfg.export.drafter, Path(cfg.export.out_dir)
+    chosen, why = champion() if cfg.export.drafter == "champion" else (str(cfg.export.drafter), "export.drafter")
+    drafter, out_dir = Path(cfg.train.out_dir) / chosen, Path(cfg.export.out_dir)
+    print(f"export: {chosen} ({why})", flush=True)
     with stage_run(cfg, "export", inputs=[drafter, cfg.target.lineage_dep]) as tracked:
+        tracked.set_tags({"eagle3ops.export.drafter": chosen})
         with tracked.phase("export"), atomic_dir(out_dir) as out:
             reports = {fmt: export_drafter(drafter, out / fmt, fmt, cfg.target.path, served_as=out_dir / fmt)
                        for fmt in cfg.export.formats}

@@ -10,7 +10,7 @@ from eagle3ops.config import Config, TrainInit
 from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.reporting.summary import (
     STAGES,
-    acceptance_curve,
+    acceptance_by_position,
     headline,
     markdown,
     pipeline_metrics,
@@ -19,11 +19,9 @@ from eagle3ops.reporting.summary import (
     tau_by_set_table,
 )
 from eagle3ops.tracking.lineage import params_overrides, pipeline_params
-from eagle3ops.tracking.metrics import PLOTS_DIR, read_metrics
+from eagle3ops.tracking.metrics import HEADLINE, PLOTS_DIR, destination, read_metrics
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.store import scrub, tracking_uri
-
-HEADLINE = Path("metrics.json")  # short column names in `dvc exp show`: metrics.json:tau.scratch
 
 
 def run(cfg: Config) -> None:
@@ -31,14 +29,14 @@ def run(cfg: Config) -> None:
         metrics = read_metrics(STAGES)  # the files dvc.yaml lists as the stage's deps
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
-        text = markdown(metrics, scrub(tracking_uri(cfg)))
+        text = markdown(metrics, scrub(tracking_uri(cfg)), tracked.experiment_id)
         with atomic_dir(cfg.report.out_dir) as out:
             (out / "summary.md").write_text(text)
-            acceptance_curve(metrics).to_csv(out / "acceptance.csv", index=False)
+            acceptance_by_position(metrics).to_csv(out / "acceptance.csv", index=False)
             plot(metrics, histories, out / "comparison.png")
             tau_by_set_table(metrics).to_csv(out / "tau_by_set.csv", index=False)
             plot_tau_by_set(metrics, out / "tau_by_set.png")
-        write_json_atomic(HEADLINE, headline(metrics))
+        write_json_atomic(destination(tracked, HEADLINE), headline(metrics))
         tracked.log_artifact(Path(cfg.report.out_dir), "report")
         overrides = params_overrides(tracked.root)
         tracked.log_pipeline(pipeline_metrics(metrics), {

@@ -26,7 +26,7 @@ from eagle3ops.modeling.target import (
 )
 from eagle3ops.resume import resume_point
 from eagle3ops.tracking.identity import identity_params
-from eagle3ops.tracking.metrics import PLOTS_DIR, record
+from eagle3ops.tracking.metrics import PLOTS_DIR, destination, record
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.training import distributed
 from eagle3ops.training.data import load_feature_samples
@@ -83,8 +83,8 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state.to_dict())
         resume.clear()
-        pd.DataFrame(result.history).to_csv(_plot_path(init), index=False)
-        tracked.log_artifact(out_dir, "drafter")
+        _write_plots(destination(tracked, PLOTS_DIR), init, result.history)
+        tracked.log_drafter_model(out_dir, init, {"target": cfg.target.id, "target.revision": str(cfg.target.revision)})
         record(tracked, f"train-{init}", {
             "steps": result.steps, "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
             "train_tokens": result.tokens, "steps_per_s": round(result.steps_per_s, 2),
@@ -125,6 +125,13 @@ def _warm_start_metrics(warm: WarmStart) -> dict:
             **({"remapped_rows": warm.remapped_rows} if warm.remapped_rows is not None else {})}
 
 
-def _plot_path(init: str) -> Path:
-    PLOTS_DIR.mkdir(exist_ok=True)
-    return PLOTS_DIR / f"train-{init}.csv"
+def _write_plots(directory: Path, init: str, history: list[dict]) -> None:
+    """plots/train-<init>.csv (the logged training rows) and plots/sim-<init>.csv (the simulator's): apart, so
+    neither has empty cells for `dvc plots` to draw as zeros."""
+    directory.mkdir(parents=True, exist_ok=True)
+    trained = [{k: v for k, v in row.items() if not k.startswith("sim/")} for row in history if "train/loss" in row]
+    simulated = [{k: v for k, v in row.items() if k == "step" or k.startswith("sim/")} for row in history
+                 if "sim/tau" in row]
+    pd.DataFrame(trained).to_csv(directory / f"train-{init}.csv", index=False)
+    pd.DataFrame(simulated, columns=list(simulated[0]) if simulated else ["step", "sim/tau"]).to_csv(
+        directory / f"sim-{init}.csv", index=False)

@@ -12,6 +12,14 @@ from eagle3ops.fs import write_json_atomic
 
 METRICS_DIR = Path("metrics")
 PLOTS_DIR = Path("plots")
+HEADLINE = Path("metrics.json")  # the report's few numbers: short column names in `dvc exp show` (tau.scratch)
+ONE_OFF_DIR = Path(".eagle3ops") / "one-off"
+
+
+def destination(run, path: Path) -> Path:
+    """Where `run` writes one of the pipeline's files (metrics/, plots/, metrics.json): in place for a pipeline
+    run, under .eagle3ops/one-off/ for a one-off run (`--set`, `--params`), which must not overwrite them."""
+    return ONE_OFF_DIR / path if run.one_off else path
 
 
 def record(run, name: str, metrics: dict) -> dict:
@@ -19,7 +27,7 @@ def record(run, name: str, metrics: dict) -> dict:
     already (a true/false as 1/0)."""
     result = {**metrics, "time": {f"{phase}_s": round(seconds, 3) for phase, seconds in run.timings.items()}}
     result["time"]["stage_s"] = round(run.elapsed(), 3)
-    write_json_atomic(METRICS_DIR / f"{name}.json", result)
+    write_json_atomic(destination(run, METRICS_DIR / f"{name}.json"), result)
     run.log_metrics({key: float(value) for key, value in metrics.items()
                      if isinstance(value, (int, float)) and key not in run.logged})
     return result

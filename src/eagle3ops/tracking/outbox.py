@@ -2,12 +2,13 @@
 
 A tracking server that is down, or goes down mid-run, must not cost a stage its results: the stage goes on,
 and from the first failed call everything it would have logged (params, tags, metrics, artifacts, a drafter
-to register, its final status) lands in `.eagle3ops/outbox/<id>/` instead, artifacts copied (hard-linked
+to log as a model or register, its final status) lands in `.eagle3ops/outbox/<id>/` instead, artifacts copied (hard-linked
 where the disk allows). `sync` replays each entry into the run the stage had started, or into a new run
 under the pipeline's parent when the server was down from the start, then removes the entry.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,10 +16,12 @@ import time
 import uuid
 from pathlib import Path
 
+import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from eagle3ops.fs import write_json_atomic
+from eagle3ops.tracking.registry import MODEL_FILES, Measurement, log_drafter_model, register_drafter
 
 OUTBOX_DIR = Path(".eagle3ops") / "outbox"
 RECORD = "run.json"
@@ -44,7 +47,7 @@ class Outbox:
     def __init__(self, root: Path, record: dict):
         self.dir = root / OUTBOX_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir(parents=True)
-        self.record = {**record, "metrics": [], "artifacts": [], "register": None, "status": "RUNNING", "late_tags": {},
+        self.record = {**record, "metrics": [], "artifacts": [], "model": None, "register": None, "status": "RUNNING", "late_tags": {},
                        "pipeline": None}
         self._save()
 
@@ -65,8 +68,16 @@ class Outbox:
         self.record["late_tags"].update(tags)
         self._save()
 
-    def register(self, name: str, artifact_path: str, tau: float) -> None:
-        self.record["register"] = {"name": name, "artifact_path": artifact_path, "tau": tau}
+    def model(self, directory: Path, name: str, tags: dict[str, str], params: dict[str, str]) -> None:
+        stored = Path("files") / "model"
+        for file in MODEL_FILES:  # the weights, not the training state
+            _copy(Path(directory) / file, self.dir / stored / file)
+        self.record["model"] = {"dir": str(stored), "name": name, "tags": dict(tags), "params": dict(params)}
+        self._save()
+
+    def register(self, name: str, sha256: str, tau: float, linked_metrics: dict, measurement: Measurement) -> None:
+        self.record["register"] = {"name": name, "sha256": sha256, "tau": tau, "linked_metrics": dict(linked_metrics),
+                                   "measurement": dataclasses.asdict(measurement)}
         self._save()
 
     def pipeline(self, metrics: dict[str, float], params: dict[str, str], tags: dict[str, str]) -> None:
@@ -84,9 +95,9 @@ def pending(root: Path) -> list[Path]:
 
 def sync(uri: str, root: Path) -> list[str]:
     """Upload every outbox entry to the tracking server at `uri`; returns the run ids written."""
-    from eagle3ops.tracking.registry import register_drafter
     from eagle3ops.tracking.store import find_or_create_experiment, find_or_create_parent_run, log_pipeline_run
 
+    mlflow.set_tracking_uri(uri)  # the registry resolves models:/ sources through the global store
     client = MlflowClient(uri)
     done = []
     for entry in pending(root):
@@ -118,11 +129,16 @@ def sync(uri: str, root: Path) -> list[str]:
                 client.log_artifact(target, str(path), artifact["artifact_path"])
         if record.get("pipeline"):
             log_pipeline_run(client, record["parent_id"], **record["pipeline"])
+        if record.get("model"):  # entries sync oldest first: a train run's model before its eval registers it
+            wanted = record["model"]
+            log_drafter_model(client, client.get_run(run_id), entry / wanted["dir"], wanted["name"], wanted["tags"],
+                              wanted["params"])
         if record["register"]:
-            run = client.get_run(run_id)
             wanted = record["register"]
-            register_drafter(client, run, wanted["name"], f"{run.info.artifact_uri}/{wanted['artifact_path']}",
-                             wanted["tau"])
+            register_drafter(client, client.get_run(run_id), wanted["name"], wanted["sha256"], wanted["tau"],
+                             {key: tuple(value) for key, value in wanted["linked_metrics"].items()},
+                             Measurement(**{key: tuple(value) if isinstance(value, list) else value
+                                            for key, value in wanted["measurement"].items()}))
         client.set_terminated(run_id, record["status"])
         shutil.rmtree(entry)
         done.append(run_id)

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import mlflow
@@ -35,7 +36,7 @@ from eagle3ops.tracking.lineage import (
     tag_experiment_commits,
 )
 from eagle3ops.tracking.outbox import Outbox
-from eagle3ops.tracking.registry import register_drafter
+from eagle3ops.tracking.registry import Measurement, log_drafter_model, register_drafter
 from eagle3ops.tracking.store import (
     PIPELINE_KEY_TAG,
     ROLE_TAG,
@@ -55,6 +56,9 @@ from eagle3ops.tracking.store import (
 MAX_PARAM_CHARS = 500
 # The hardware facts a runs table filters and groups by; every fact is in the run's hardware.json
 HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores")
+# Why a stage run is a one-off (`--set train.lr=1e-3`, `--params other.yaml`), set by the CLI; None: the pipeline's
+# run. A one-off run is recorded, tagged eagle3ops.one_off, but leaves the pipeline's metrics and the champion alone.
+ONE_OFF: ContextVar[str | None] = ContextVar("one_off", default=None)
 # MLflow announces every start and stop of its system-metrics thread at INFO, twice per stage run
 logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
 
@@ -112,6 +116,7 @@ class StageRun:
         self.logged: set[str] = set()  # the metric keys logged so far
         self._record = record  # what the outbox needs to recreate the run
         self.outbox: Outbox | None = None
+        self.one_off = ONE_OFF.get()
 
     def go_offline(self, error: BaseException) -> None:
         if self.outbox is None:
@@ -164,14 +169,26 @@ class StageRun:
         if not self._send(lambda: [self._client.set_tag(self.run_id, k, v) for k, v in tags.items()]):
             self.outbox.tags(tags)
 
-    def register_drafter(self, name: str, artifact_path: str, tau: float) -> None:
-        """Register this run's logged drafter artifact (see `register_drafter`)."""
+    def log_drafter_model(self, directory: Path, name: str, tags: Mapping[str, str]) -> None:
+        """The trained drafter as this run's logged model (tracking/registry.py), with the run's params."""
+        params = self._record["params"]
+        if not self._send(lambda: log_drafter_model(self._client, self._client.get_run(self.run_id), directory, name,
+                                                    tags, params)):
+            self.outbox.model(directory, name, tags, params)
+
+    def register_drafter(self, name: str, sha256: str, tau: float,
+                         linked_metrics: Mapping[str, tuple[float, str | None, str | None]],
+                         measurement: Measurement) -> None:
+        """Link the metrics to the drafter's logged model and register it (see `register_drafter`)."""
         def register():
-            run = self._client.get_run(self.run_id)
-            register_drafter(self._client, run, name, f"{run.info.artifact_uri}/{artifact_path}", tau)
+            version = register_drafter(self._client, self._client.get_run(self.run_id), name, sha256, tau,
+                                       linked_metrics, measurement)
+            if version is None:
+                print(f"eagle3ops: no logged model in this experiment has the evaluated weights (sha256 {sha256[:12]}); "
+                      f"not registered in {name}", file=sys.stderr, flush=True)
 
         if not self._send(register):
-            self.outbox.register(name, artifact_path, tau)
+            self.outbox.register(name, sha256, tau, linked_metrics, measurement)
 
     def log_pipeline(self, metrics: Mapping[str, float], params: Mapping[str, object], description: str) -> None:
         """What describes the whole pipeline run goes on its parent run: its headline numbers, the params that
@@ -240,6 +257,7 @@ def stage_run(
         "eagle3ops.variant": variant or "",
         "eagle3ops.dvc_stage": dvc_stage,
         "eagle3ops.git_dirty": str(dirty).lower(),
+        **({"eagle3ops.one_off": ONE_OFF.get()} if ONE_OFF.get() else {}),
         "hardware.label": hardware.label(fp, cfg.hardware.label),
         **{f"hardware.{name}": str(fp[name]) for name in HARDWARE_TAGS},  # the rest: hardware.json
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},

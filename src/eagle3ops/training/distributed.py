@@ -131,6 +131,7 @@ def wait_for_main(world: World) -> None:
 
 class Untracked:
     """What ranks other than 0 have instead of the stage's MLflow run (tracking.StageRun): nothing is logged."""
+    one_off = None
 
     def phase(self, name: str):
         return nullcontext()
