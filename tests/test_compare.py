@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 
 import matplotlib.image
+import matplotlib.pyplot
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
@@ -15,6 +17,10 @@ from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.runs.compare import (
     against_reference,
+    differing_params,
+    draw,
+    load_warnings,
+    markdown,
     select_pipelines,
     side_by_side,
     speedups,
@@ -34,7 +40,8 @@ def _train(load: float, seconds: float, steps: int, tokens: int, tokens_per_s: f
             "tokens_per_s": tokens_per_s, "steps_per_s": steps / seconds, "eval/acc_0": 0.8}
 
 
-# run-a: the local reference. run-b: the same machine, more training data. run-c: a rented H200, no baseline eval.
+# run-a: the local reference. run-b: the same machine, more training data, and something else busy on the machine
+# while it generated. run-c: a rented H200, no baseline eval.
 RUNS = {
     "run-a": ("cpu-2c", {
         "generate": {"time/load_s": 10, "time/generate_s": 100, "new_tokens": 50_000, "tokens_per_s": 500},
@@ -64,6 +71,8 @@ RUNS = {
     }),
 }
 A, B, C = "run-a (cpu-2c)", "run-b (cpu-2c)", "run-c (H200)"
+CONVERSATIONS = {"run-b": 2400}  # zoo.conversations where it is not the default's
+LOAD = {"run-b": 3.2}  # the machine's load per core as each stage ended; 1.0 elsewhere
 
 
 @pytest.fixture(scope="session")
@@ -72,10 +81,13 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("recorded")
     with pytest.MonkeyPatch.context() as mp:
         isolate(mp, root)
+        mp.setattr("eagle3ops.tracking.run._cores", lambda fingerprint: 2)
         for run_name, (label, stages) in RUNS.items():
             mp.setenv("DVC_EXP_NAME", run_name)
+            mp.setattr("os.getloadavg", lambda load=2 * LOAD.get(run_name, 1.0): (load, load, load))
             cfg = Config()
             cfg.hardware.label = label
+            cfg.zoo.conversations = CONVERSATIONS.get(run_name, cfg.zoo.conversations)
             cfg.mlflow.system_metrics = False
             for dvc_stage, metrics in stages.items():
                 mp.setenv("DVC_STAGE", dvc_stage)
@@ -178,6 +190,34 @@ def test_writes_markdown_csv_and_png(client: MlflowClient, tmp_path: Path) -> No
     assert pixels.shape[1] > 1000 and pixels[..., :3].std() > 0.05  # two drawn panels, not a blank canvas
 
 
+def test_the_params_that_differ_come_first(client: MlflowClient) -> None:
+    records = by_name(client, "run-a", "run-b")
+    assert differing_params(records).to_dict("index") == {"zoo.conversations": {A: "1200", B: "2400"}}
+    text = markdown(records)
+    assert text.index("## What differs") < text.index("## Side by side")
+    assert "| zoo.conversations | 1200 | 2400 |" in re.sub(" +", " ", text)
+    assert differing_params(by_name(client, "run-a", "run-c")).empty  # only the hardware differs
+    assert "The runs have the same params." in markdown(by_name(client, "run-a", "run-c"))
+
+
+def test_a_speed_gap_on_one_hardware_label_is_a_warning_with_the_machine_load(client: MlflowClient) -> None:
+    records = by_name(client, "run-a", "run-b")
+    assert load_warnings(records) == [
+        f"generate: {B} is 2.0x slower than {A} on the same hardware label; machine load per core 3.20 vs 1.00. "
+        "Re-run on an idle machine before reading it as a speed-up."]
+    assert "## Warnings" in markdown(records)
+    assert load_warnings(by_name(client, "run-a", "run-c")) == []  # another label: a real difference
+
+
+def test_the_plot_gives_each_run_its_colour_and_a_legend(client: MlflowClient) -> None:
+    records = by_name(client, "run-a", "run-b", "run-c")
+    figure = draw(records)
+    bars = figure.axes[1]
+    assert [text.get_text() for text in bars.get_legend().get_texts()] == [A, B, C]
+    assert len({patch.get_facecolor() for patch in bars.patches}) == 3
+    matplotlib.pyplot.close(figure)
+
+
 def test_cli_prints_the_table(client: MlflowClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ids = [run_id(client, name) for name in ("run-a", "run-c")]
     assert main(["compare", "--runs", *ids, "--out", "cmp"]) == 0
@@ -188,7 +228,7 @@ def test_cli_prints_the_table(client: MlflowClient, tmp_path: Path, capsys: pyte
     assert "|extracttok/s|2,500|10,000|" in lines
     assert "|baselinetau|1.5|-|" in lines
     assert f"- {C}: load 2.0x faster, generate 5.0x faster, extract 4.0x faster" in out
-    assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"compare.md", "compare.csv", "compare.png"}
+    assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"compare.md", "compare.csv", "params.csv", "compare.png"}
 
 
 def test_cli_filters_and_errors(client: MlflowClient, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
-from matplotlib.patches import Patch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
@@ -22,6 +21,7 @@ from eagle3ops.config import Config, EvalDrafter, TrainInit, load_config
 from eagle3ops.errors import InputError
 from eagle3ops.reporting.summary import draft_positions, markdown_table
 from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
+from eagle3ops.tracking.run import LOAD_METRIC
 from eagle3ops.tracking.store import ROLE_TAG, tracking_uri
 
 DEFAULT_LAST = 5
@@ -96,6 +96,28 @@ def select_pipelines(client: MlflowClient, experiment: str = "eagle3ops", filter
     return records[:last]
 
 
+def _params(record: PipelineRecord) -> dict[str, str]:
+    """The pipeline's params as its report logged them; for a pipeline without them (no report yet), those of
+    its stages."""
+    if record.params:
+        return record.params
+    merged: dict[str, str] = {}
+    for stage in record.stages.values():
+        merged.update({k: v for k, v in stage.params.items() if not k.startswith("target_identity.")})
+    return merged
+
+
+def differing_params(records: Sequence[PipelineRecord]) -> pd.DataFrame:
+    """One row per param whose value is not the same in every run (missing counts as different), one column
+    per run: what explains the differences below it."""
+    params = [_params(r) for r in records]
+    keys = sorted({key for p in params for key in p} - {"overrides"})
+    rows = {key: [p.get(key, "-") for p in params] for key in keys if len({p.get(key) for p in params}) > 1}
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=[header(r) for r in records], dtype=object)
+    frame.index.name = "param"
+    return frame
+
+
 def side_by_side(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     """One column per run: tau and per-position acceptance per drafter, then seconds and tokens/s per phase.
     Rows no run recorded are left out."""
@@ -138,6 +160,34 @@ def speedups(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     rows = {phase.name: [_speedup(phase, reference, other) for other in others] for phase in PHASES}
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=[header(r) for r in others], dtype=float)
     return frame.dropna(how="all")
+
+
+LOAD_WARNING_RATIO = 1.5  # runs on one hardware label this far apart in speed: the machine, not the change?
+
+
+def _load(record: PipelineRecord, stage: str) -> str:
+    load = record.metric(stage, LOAD_METRIC)
+    return "not recorded" if load is None else f"{load:.2f}"
+
+
+def load_warnings(records: Sequence[PipelineRecord]) -> list[str]:
+    """Phases whose speed differs by more than LOAD_WARNING_RATIO between the reference and a run on the same
+    hardware label, with the machine's load per core as each stage ended: on the same hardware such a gap is
+    more often a busy machine than the change made."""
+    reference, ratios, warnings = records[0], speedups(records), []
+    for other in records[1:]:
+        if other.hardware_label != reference.hardware_label or header(other) not in ratios:
+            continue
+        for phase in PHASES:
+            ratio = ratios[header(other)].get(phase.name)
+            if ratio is None or pd.isna(ratio) or 1 / LOAD_WARNING_RATIO <= ratio <= LOAD_WARNING_RATIO:
+                continue
+            warnings.append(f"{phase.name}: {header(other)} is {max(ratio, 1 / ratio):.1f}x "
+                            f"{'faster' if ratio > 1 else 'slower'} than {header(reference)} on the same hardware "
+                            f"label; machine load per core {_load(other, phase.stage)} vs "
+                            f"{_load(reference, phase.stage)}. Re-run on an idle machine before reading it as a "
+                            f"speed-up.")
+    return warnings
 
 
 def _tau_deltas(reference: PipelineRecord, other: PipelineRecord) -> list[str]:
@@ -191,7 +241,15 @@ def markdown(records: Sequence[PipelineRecord]) -> str:
     table = _rounded(side_by_side(records)).reset_index()
     cached = [f"{header(r)}: {', '.join(s.dvc_stage for s in r.stages.values() if s.cached)}"
               for r in records if any(s.cached for s in r.stages.values())]
-    lines = ["# eagle3ops compare", "", "## Side by side", "", markdown_table(table, ",.10g"), "",
+    lines = ["# eagle3ops compare", ""]
+    if len(records) > 1:
+        differing = differing_params(records)
+        lines += ["## What differs", "", markdown_table(differing.reset_index(), "") if not differing.empty
+                  else "The runs have the same params.", ""]
+    warnings = load_warnings(records)
+    if warnings:
+        lines += ["## Warnings", "", *(f"- {line}" for line in warnings), ""]
+    lines += ["## Side by side", "", markdown_table(table, ",.10g"), "",
              "tau = tokens per target verification step (bonus token included); a_i = share of steps whose i-th "
              "draft was accepted; s = seconds of the phase; tok/s = its tokens per second (eval: speculative "
              "decoding); load = loading the target, as the extract stage times it.", ""]
@@ -207,9 +265,9 @@ def markdown(records: Sequence[PipelineRecord]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: Sequence[PipelineRecord], path: Path) -> None:
-    """Left: tau against training tokens, one line per trained variant, one point per run. Right: seconds per
-    phase, one bar per run, coloured by hardware label (runs on the same hardware side by side)."""
+def draw(records: Sequence[PipelineRecord]) -> plt.Figure:
+    """Left: tau against training tokens, one line per trained variant, each point named by its run. Right:
+    seconds per phase, one bar per run in the run's own colour, with a legend."""
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(14, 4.8))
     for init in TrainInit:
         points: dict[tuple[float, float], list[str]] = {}  # runs sharing a cached stage share a point
@@ -225,30 +283,35 @@ def plot(records: Sequence[PipelineRecord], path: Path) -> None:
     if curve.lines:
         curve.legend()
 
-    runs = sorted(records, key=lambda r: r.hardware_label)
-    labels = sorted({r.hardware_label for r in runs})
-    colours = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
-    phases = [p for p in PHASES if any(p.seconds(r) for r in runs)]
-    width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
-        offset = (i - (len(runs) - 1) / 2) * width
+    colours = {header(r): plt.cm.tab10(i % 10) for i, r in enumerate(records)}  # one per run, both panels
+    phases = [p for p in PHASES if any(p.seconds(r) for r in records)]
+    width = 0.8 / len(records)
+    for i, run in enumerate(records):
+        offset = (i - (len(records) - 1) / 2) * width
         heights = [p.seconds(run) or float("nan") for p in phases]
-        bars.bar([j + offset for j in range(len(phases))], heights, width, color=colours[run.hardware_label],
-                 edgecolor="white")
+        bars.bar([j + offset for j in range(len(phases))], heights, width, color=colours[header(run)],
+                 edgecolor="white", label=header(run))
     bars.set_xticks(range(len(phases)), [p.name for p in phases], rotation=30, ha="right")
-    bars.set(title="Phase time by hardware (one bar per run)", ylabel="seconds", yscale="log")
-    bars.legend(handles=[Patch(color=colour, label=label) for label, colour in colours.items()])
+    bars.set(title="Phase time (one bar per run; run (hardware label))", ylabel="seconds", yscale="log")
+    bars.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(records: Sequence[PipelineRecord], path: Path) -> None:
+    fig = draw(records)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_report(records: Sequence[PipelineRecord], out_dir: Path) -> str:
-    """compare.md, compare.csv (the side-by-side table, full precision) and compare.png; returns the markdown."""
+    """compare.md, compare.csv (the side-by-side table, full precision), params.csv (the params that differ) and
+    compare.png; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(records)
     (out_dir / "compare.md").write_text(text)
     side_by_side(records).to_csv(out_dir / "compare.csv")
+    differing_params(records).to_csv(out_dir / "params.csv")
     plot(records, out_dir / "compare.png")
     return text
 

@@ -31,6 +31,7 @@ class PipelineRecord:
     run_id: str
     name: str
     tags: dict[str, str]
+    params: dict[str, str] = field(default_factory=dict)  # what defines the pipeline (the report stage logs them)
     stages: dict[str, StageRecord] = field(default_factory=dict)  # by dvc stage name
 
     @property
@@ -60,7 +61,7 @@ def _stage_record(run) -> StageRecord:
 
 def load_pipeline(client: MlflowClient, run_id: str) -> PipelineRecord:
     parent = client.get_run(run_id)
-    record = PipelineRecord(run_id, parent.info.run_name, dict(parent.data.tags))
+    record = PipelineRecord(run_id, parent.info.run_name, dict(parent.data.tags), dict(parent.data.params))
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'",
                                   order_by=["attributes.start_time ASC"], max_results=5000)
     for child in children:  # a stage run twice in one pipeline run: the later run wins

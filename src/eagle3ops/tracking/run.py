@@ -55,6 +55,7 @@ from eagle3ops.tracking.store import (
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
 MAX_PARAM_CHARS = 500
 # The hardware facts a runs table filters and groups by; every fact is in the run's hardware.json
+LOAD_METRIC = "machine/load_per_core"
 HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores")
 # Why a stage run is a one-off (`--set train.lr=1e-3`, `--params other.yaml`), set by the CLI; None: the pipeline's
 # run. A one-off run is recorded, tagged eagle3ops.one_off, but leaves the pipeline's metrics and the champion alone.
@@ -82,6 +83,11 @@ def _invocation_key() -> str | None:
     except psutil.Error:
         return None
     return None
+
+
+def _cores(fp: dict) -> int:
+    cores = fp["cpu_usable_cores"]
+    return cores if isinstance(cores, int) and cores > 0 else os.cpu_count() or 1
 
 
 def _tag_key(text: str) -> str:
@@ -295,7 +301,10 @@ def stage_run(
         yield handle
         status = "FINISHED"
     finally:
-        handle.log_metrics({"time/stage_wall_s": time.perf_counter() - start})
+        # 1-minute load average per usable core as the stage ends (the stage's own threads included): what
+        # `compare` shows when two runs on one hardware label differ in speed
+        handle.log_metrics({"time/stage_wall_s": time.perf_counter() - start,
+                            LOAD_METRIC: os.getloadavg()[0] / _cores(fp)})
         if handle.run_id is not None:
             try:
                 mlflow.end_run(status)
