@@ -5,13 +5,19 @@ re-runs only train, the evals of trained drafters and the report; the same param
 hash; every stage run is in MLflow, grouped under one parent per pipeline run, with its lineage tags.
 """
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
+from safetensors.torch import load_file
 
-from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, write_params
+from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
+from eagle3ops.generation.local_server import free_port
 from eagle3ops.runs.records import find_pipelines
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
@@ -112,7 +118,7 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
         "lineage/dvc.yaml", "lineage/params.yaml", "lineage/dvc.lock"}
 
 
-def test_trained_drafters_are_logged_models_registered_with_a_champion(repo, first_run):
+def test_trained_drafters_are_logged_models_registered_with_a_champion(repo, first_run, tmp_path):
     store = client(repo)
     first = pipelines(repo)[-1]
     experiment_id = store.get_experiment_by_name("eagle3ops").experiment_id
@@ -135,6 +141,11 @@ def test_trained_drafters_are_logged_models_registered_with_a_champion(repo, fir
     assert store.get_model_version_by_alias("eagle3-drafter", "champion").version == best.version
     champion = next(init for init, model in models.items() if best.source == f"models:/{model.model_id}")
     assert first.stages["export"].tags["eagle3ops.export.drafter"] == champion  # export serves the champion
+    served = tmp_path / "served"  # and the registry's champion, loaded back by its alias
+    run(["eagle3ops", "export", "models:/eagle3-drafter@champion", str(served), "--format", "sglang",
+         "--target", "models/zoo/successor"], repo)
+    assert {name: tensor.tolist() for name, tensor in load_file(str(served / "model.safetensors")).items()} == {
+        name: tensor.tolist() for name, tensor in load_file(str(repo / "models/export/sglang/model.safetensors")).items()}
 
 
 def test_dvc_shows_tau_and_timings(repo, first_run):
@@ -254,6 +265,125 @@ def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo, first_run):
     output = run(["dvc", "repro", "train@warm_start"], repo)
     assert "Running stage" not in output and "is cached" in output, output
     assert {path: (repo / path).read_bytes() for path in outputs} == kept
+
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")  # Debian's packages
+SCREENSHOTS = os.environ.get("EAGLE3OPS_SCREENSHOTS")  # a directory to keep the screenshots in (docs/img does)
+
+
+@pytest.fixture
+def mlflow_ui(repo):
+    """`mlflow ui` on the pipeline's store, as the report says to start it."""
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "ui", "--backend-store-uri",
+                               f"sqlite:///{repo / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture
+def browser():
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-extensions", "--window-size=1500,950"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shown(driver, url: str, *texts: str) -> str:
+    """Open `url` and wait until the page shows every one of `texts`; returns the page's text."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url)
+    try:
+        WebDriverWait(driver, 60).until(lambda d: all(t in d.find_element(By.TAG_NAME, "body").text for t in texts))
+    except Exception:
+        raise AssertionError(f"{url} never showed {texts}:\n{driver.find_element(By.TAG_NAME, 'body').text[:3000]}")
+    for close in driver.find_elements(By.XPATH, "//button[@aria-label='Close']"):  # the assistant side panel
+        if close.is_displayed():
+            close.click()
+    return driver.find_element(By.TAG_NAME, "body").text
+
+
+def scroll_to(driver, text: str) -> None:
+    """Scroll the first element showing `text` to the middle of the window, for the screenshot."""
+    from selenium.webdriver.common.by import By
+
+    for element in driver.find_elements(By.XPATH, f"//*[text()[contains(., '{text}')]]")[:1]:
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+
+
+def screenshot(driver, name: str, tmp_path: Path) -> Path:
+    directory = Path(SCREENSHOTS) if SCREENSHOTS else tmp_path
+    directory.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(directory / f"{name}.png"))
+    return directory / f"{name}.png"
+
+
+def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, browser, tmp_path):
+    """After the first run and the lr experiment, in Chromium against `mlflow ui`: the link the report gives opens
+    the experiment's runs table; a pipeline run's page shows tau per drafter; the compare view of two pipeline runs
+    shows the param that differs; the model page shows the champion with its tau."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    store = client(repo)
+    experiment_id = store.get_experiment_by_name("eagle3ops").experiment_id
+    first = pipelines(repo)[-1]
+    lr = next(p for p in pipelines(repo) if p.name == "lr-1e-3")
+    link = re.search(r"http://127\.0\.0\.1:5000(\S*)", (repo / "reports" / "summary.md").read_text()).group(1)
+    assert link == f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+    text = shown(browser, mlflow_ui + link, "Run Name", "lr-1e-3", first.name)
+    assert f"/#/experiments/{experiment_id}/runs?" in browser.current_url  # not sent on to the GenAI overview
+    screenshot(browser, "mlflow-runs", tmp_path)
+
+    parent = store.get_run(first.run_id)
+    taus = {d: parent.data.metrics[f"tau/{d}"] for d in ("baseline", "scratch", "warm_start")}
+    text = shown(browser, f"{mlflow_ui}/#/experiments/{experiment_id}/runs/{first.run_id}?workflowType=machine_learning",
+                 "tau/warm_start")
+    lines = text.splitlines()
+    for drafter, tau in taus.items():  # the metric's name, then its value
+        assert float(lines[lines.index(f"tau/{drafter}") + 1]) == pytest.approx(tau, abs=1e-4), drafter
+    assert "eagle3ops report" in text  # the report is the run's description
+    screenshot(browser, "mlflow-pipeline-run", tmp_path)
+
+    assert {o.model_id for o in parent.outputs.model_outputs} == {  # the trained drafters, in its Models column
+        o.model_id for init in ("scratch", "warm_start") for o in store.get_run(
+            first.stages[f"train@{init}"].run_id).outputs.model_outputs}
+
+    runs, experiments = json.dumps([first.run_id, lr.run_id]), json.dumps([experiment_id])
+    text = shown(browser, f"{mlflow_ui}/#/compare-runs?runs={runs}&experiments={experiments}"
+                          "&workflowType=machine_learning", "train.lr")
+    assert re.search(r"^train\.lr 0\.003 0\.001$", text, re.MULTILINE), text  # the param that differs
+    scroll_to(browser, "Show diff only")
+    browser.find_elements(By.XPATH, "//*[@role='switch']")[0].click()  # the parameters' "Show diff only"
+    WebDriverWait(browser, 30).until(lambda d: "data.max_len" not in d.find_element(By.TAG_NAME, "body").text)
+    assert re.search(r"^train\.lr 0\.003 0\.001$", browser.find_element(By.TAG_NAME, "body").text, re.MULTILINE)
+    screenshot(browser, "mlflow-compare", tmp_path)
+
+    champion = store.get_model_version_by_alias("eagle3-drafter", "champion")
+    shown(browser, f"{mlflow_ui}/#/models/eagle3-drafter?workflowType=machine_learning", "@ champion")
+    (row,) = [r for r in browser.find_elements(By.XPATH, "//*[@role='row']") if "champion" in r.text]
+    assert f"Version {champion.version}" in row.text and champion.tags["tau"] in row.text, row.text
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
+    screenshot(browser, "mlflow-model", tmp_path)
 
 
 def test_a_one_off_run_leaves_the_pipelines_metrics_and_champion_alone(repo, first_run):

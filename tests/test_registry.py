@@ -57,6 +57,8 @@ def test_a_trained_drafter_is_a_logged_model_without_its_training_state(store):
                                                                                   "model.safetensors"}
     train_run = client.get_run(model.source_run_id)
     assert [o.model_id for o in train_run.outputs.model_outputs] == [model.model_id]  # the run's Models column
+    pipeline_run = client.get_run(train_run.data.tags["mlflow.parentRunId"])
+    assert [o.model_id for o in pipeline_run.outputs.model_outputs] == [model.model_id]
 
     evaluated(cfg, sha, 2.5)
     model = client.get_logged_model(model.model_id)

@@ -429,7 +429,7 @@ class MlflowConfig(Section):
     experiment: str = "eagle3ops"
     tracking_uri: Optional[str] = None  # null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the repo root
     system_metrics: bool = True  # CPU/RAM/disk, and GPU utilisation, memory and power through nvidia-ml-py
-    registered_model: Optional[str] = "eagle3-drafter"  # eval registers each drafter version here; null = off
+    registered_model: Optional[str] = "eagle3-drafter"  # eval registers each trained drafter here; null = off
 
 
 @dataclass

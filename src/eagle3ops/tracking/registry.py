@@ -42,8 +42,9 @@ def weights_sha256(directory: str | Path) -> str:
 
 def log_drafter_model(client: MlflowClient, run, directory: str | Path, name: str, tags: Mapping[str, str],
                       params: Mapping[str, str]) -> str:
-    """A logged model of the drafter in `directory`, produced by `run` (its Models column shows it); returns its
-    id. Its files are hard-linked into a staging directory where the disk allows: a 2 GB drafter is read once."""
+    """A logged model of the drafter in `directory`, produced by `run`, an output of it and of its pipeline run
+    (the runs table's Models column and both run pages show it); returns its id. Its files are hard-linked into
+    a staging directory where the disk allows: a 2 GB drafter is read once."""
     model = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run.info.run_id,
                                        tags={**tags, WEIGHTS_TAG: weights_sha256(directory)}, params=dict(params),
                                        model_type=MODEL_TYPE)
@@ -59,7 +60,9 @@ def log_drafter_model(client: MlflowClient, run, directory: str | Path, name: st
         client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
         raise
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
-    client.log_outputs(run.info.run_id, [LoggedModelOutput(model.model_id, step=0)])
+    for run_id in (run.info.run_id, run.data.tags.get("mlflow.parentRunId")):
+        if run_id:
+            client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
     return model.model_id
 
 
