@@ -210,7 +210,7 @@ def test_drafter_trains_and_loads(pipeline, target_dir):
 
 def test_eval_is_lossless(pipeline):
     metrics = json.loads((pipeline / "metrics" / "eval-scratch.json").read_text())
-    assert metrics["lossless"] is True, metrics["mismatched_ids"]
+    assert metrics["lossless"] is True, metrics["mismatched_prompts"]
     assert metrics["verify_steps"] > 0 and 1.0 <= metrics["tau"] <= 4.0
 
 

@@ -72,6 +72,7 @@ def test_server_down_from_the_start(workspace, capsys):
     assert run.data.params["train.lr"] == str(cfg.train.lr)
     assert run.data.tags["mlflow.parentRunId"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "drafter")] == ["drafter/config.json"]
+    assert "hardware.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
 def free_port_naming_401() -> int:

@@ -48,9 +48,9 @@ PILOT_STAGES = {  # dvc stage -> (stage, variant, metrics)
     "extract": ("extract", None, {"time/load_s": 4.0, "time/extract_s": 28.2, "samples": 1000, "tokens": 5e5,
                                   "bytes": 4e9, **TARGET}),
     "train@scratch": ("train", "scratch", {"time/train_s": 30.0, "draft_params": 1e7, "train_tokens": 2e6,
-                                           "ttt_steps": 5, "steps": 1000}),
+                                           "steps": 1000}),
     "train@warm_start": ("train", "warm_start", {"time/train_s": 24.0, "draft_params": 1e7, "train_tokens": 2e6,
-                                                 "ttt_steps": 5, "steps": 1000}),
+                                                 "steps": 1000}),
     "eval@scratch": ("eval", "scratch", {"time/load_s": 4.0, "time/decode_s": 16.28, "emitted_tokens": 3000,
                                          "verify_steps": 1000, **TARGET}),
 }
@@ -91,6 +91,7 @@ def record_pipeline(mp: pytest.MonkeyPatch, experiment: str, label: str, stages:
     cfg.mlflow.system_metrics = False
     cfg.generate.batch_size = 50  # 1e5 new tokens / 50 = 2,000 decode steps
     cfg.extract.batch_size = 20  # 1,000 samples / 20 = 50 forward passes
+    cfg.train.ttt_steps = 5  # a param of the train runs, as the stage logs it
     parent = ""
     for dvc_stage, (stage, variant, metrics) in stages.items():
         mp.setenv("DVC_STAGE", dvc_stage)

@@ -10,6 +10,7 @@ from conftest import isolate
 from eagle3ops.config import Config
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.registry import CHAMPION, Measurement, weights_sha256
 from eagle3ops.tracking.run import ONE_OFF, stage_run
 
@@ -37,10 +38,13 @@ def trained(root, cfg, init: str, seed: int) -> str:
     return weights_sha256(root / "drafters" / f"{init}-{seed}")
 
 
-def evaluated(cfg, sha: str, tau: float, measurement: Measurement = MEASURED) -> None:
+def evaluated(cfg, sha: str, tau: float, measurement: Measurement = MEASURED) -> str:
+    """An eval@scratch stage run that registers the drafter with these weights and records its tau, as eval does."""
     with stage_run(cfg, "eval", variant="scratch") as run:
         run.register_drafter(NAME, sha, tau, {"tau": (tau, None, None),
                                               "tau/gsm8k": (tau + 0.1, "bench/gsm8k.jsonl", "0a1b")}, measurement)
+        record(run, "eval-scratch", {"tau": tau, "prompts": 30})
+    return run.run_id
 
 
 def champion(client) -> str:
@@ -60,7 +64,8 @@ def test_a_trained_drafter_is_a_logged_model_without_its_training_state(store):
     pipeline_run = client.get_run(train_run.data.tags["mlflow.parentRunId"])
     assert [o.model_id for o in pipeline_run.outputs.model_outputs] == [model.model_id]
 
-    evaluated(cfg, sha, 2.5)
+    eval_run = evaluated(cfg, sha, 2.5)
+    assert len(client.get_metric_history(eval_run, "tau")) == 1  # logged with the model, not again by record()
     model = client.get_logged_model(model.model_id)
     assert {(m.key, m.dataset_name, m.dataset_digest): m.value for m in model.metrics} == {
         ("tau", None, None): 2.5, ("tau/gsm8k", "bench/gsm8k.jsonl", "0a1b"): 2.6}
@@ -98,8 +103,6 @@ def test_evaluated_weights_nobody_logged_are_not_registered(store, capsys):
 
 
 def test_a_one_off_run_is_tagged_and_writes_its_metrics_apart(store):
-    from eagle3ops.tracking.metrics import record
-
     root, cfg, client = store
     token = ONE_OFF.set("--set eval.max_prompts=2")
     try:
@@ -112,3 +115,5 @@ def test_a_one_off_run_is_tagged_and_writes_its_metrics_apart(store):
     (recorded,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
                                      "tags.`eagle3ops.role` = 'stage'")
     assert recorded.data.tags["eagle3ops.one_off"] == "--set eval.max_prompts=2"
+    parent = client.get_run(recorded.data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["eagle3ops.role"] == "one_off"  # not a pipeline run: compare leaves it out

@@ -121,7 +121,7 @@ def parser() -> argparse.ArgumentParser:
     compare = commands.add_parser(
         "compare", help="recorded pipeline runs side by side: tau, acceptance, phase times and throughput",
         description="Select pipeline runs from MLflow (newest first, or --runs in the order given; the first is the "
-                    "reference) and write compare.md, compare.csv and compare.png.")
+                    "reference) and write compare.md, compare.csv, params.csv (the params that differ) and compare.png.")
     compare.add_argument("--experiment", help="MLflow experiment (default: mlflow.experiment in params.yaml)")
     source = compare.add_mutually_exclusive_group()
     source.add_argument("--runs", nargs="+", default=[], metavar="RUN_ID", help="pipeline (parent) run ids")
@@ -392,10 +392,10 @@ def _registered_drafter(args, into: str) -> str:
 
     from eagle3ops.tracking.store import tracking_uri
 
-    cfg = load_config(args.params) if Path(args.params).is_file() else Config()
+    cfg = load_config(args.params, args.overrides) if Path(args.params).is_file() else Config()
+    mlflow.set_tracking_uri(tracking_uri(cfg))  # models:/ resolves through the global registry URI
     try:
-        return mlflow.artifacts.download_artifacts(artifact_uri=args.source, dst_path=into,
-                                                   tracking_uri=tracking_uri(cfg))
+        return mlflow.artifacts.download_artifacts(artifact_uri=args.source, dst_path=into)
     except MlflowException as err:
         raise InputError(f"{args.source}: {err.message.splitlines()[0]}") from None
 

@@ -55,7 +55,7 @@ EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
 PromptSetFormat = choices("PromptSetFormat", "chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
 DraftSampleMethod = choices("DraftSampleMethod", *DRAFT_SAMPLE_METHODS)
 ExportFormat = choices("ExportFormat", "sglang", "speculators")
-ExportDrafter = choices("ExportDrafter", "champion", "scratch", "warm_start")
+ExportDrafter = choices("ExportDrafter", "champion", *(str(init) for init in TrainInit))
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
 
 # Where and how the stages run, not what they compute: no stage declares these, and changing one re-runs nothing
@@ -467,7 +467,7 @@ class Config(Section):
         are spelled out, other values kept whole (a list, a mapping)."""
         full, readable = self.__dict__.get("_stage", (self, None))
         flat = _flatten(full, "")
-        return flat if readable is None else {key: value for key, value in flat.items() if _covered(key, readable)}
+        return flat if readable is None else {key: value for key, value in flat.items() if covered(key, readable)}
 
     def pipeline_params(self, keys: Iterable[str]) -> dict[str, Any]:
         """{dotted key: value} of `keys`, less NOT_LINEAGE, from the whole config, also in a stage's view: what a
@@ -475,7 +475,7 @@ class Config(Section):
         full, _ = self.__dict__.get("_stage", (self, None))
         keys = set(keys)
         return {key: value for key, value in _flatten(full, "").items()
-                if _covered(key, keys) and not _covered(key, NOT_LINEAGE)}
+                if covered(key, keys) and not covered(key, NOT_LINEAGE)}
 
     def digest(self) -> str:
         """Short hash of the whole resolved config: equal digests mean the same parameters everywhere."""
@@ -484,7 +484,7 @@ class Config(Section):
 
     def stage_digest(self) -> str:
         """Short hash of the keys the stage may read, less NOT_LINEAGE: what its results depend on."""
-        return _digest({key: value for key, value in self.stage_params().items() if not _covered(key, NOT_LINEAGE)})
+        return _digest({key: value for key, value in self.stage_params().items() if not covered(key, NOT_LINEAGE)})
 
 
 def _digest(values: dict[str, Any]) -> str:
@@ -513,7 +513,7 @@ def _flatten(section: Section, prefix: str) -> dict[str, Any]:
     return flat
 
 
-def _covered(key: str, readable: Iterable[str]) -> bool:
+def covered(key: str, readable: Iterable[str]) -> bool:
     """Whether `key` is one of `readable` or inside a section of it."""
     return any(key == name or key.startswith(f"{name}.") for name in readable)
 
@@ -523,7 +523,7 @@ def _restricted(section: Section, prefix: str, stage: str, readable: set[str]) -
     hidden = {}
     for item in dataclasses.fields(section):
         key = f"{prefix}{item.name}"
-        if _covered(key, readable):
+        if covered(key, readable):
             continue
         value = getattr(section, item.name)
         if isinstance(value, Section) and any(name.startswith(f"{key}.") for name in readable):

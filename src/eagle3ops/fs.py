@@ -78,3 +78,11 @@ def write_json_atomic(path: str | Path, obj) -> None:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     _atomic_write(Path(path), lambda out: out.write(text))
+
+
+def link_or_copy(source: str | Path, destination: str | Path) -> None:
+    """A hard link where the disk allows (a 2 GB drafter need not be stored twice), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)

@@ -286,7 +286,9 @@ def _demand(record: PipelineRecord, phase: str, stage: StageRecord, shape: Targe
         return Demand(2 * counter("target_params") * tokens, counter("target_bytes") * passes,
                       _allreduce_bytes(shape, tokens), counter("bytes"))
     if phase.startswith("train@"):
-        return Demand(flops=6 * counter("draft_params") * counter("train_tokens") * counter("ttt_steps"))
+        # runs recorded before the TTT depth was a param only logged it as a metric
+        ttt_steps = counter("ttt_steps") if "ttt_steps" in stage.metrics else _param(record, stage, "train.ttt_steps")
+        return Demand(flops=6 * counter("draft_params") * counter("train_tokens") * ttt_steps)
     steps = counter("verify_steps")  # eval@<drafter>
     # Runs recorded before the emitted_tokens counter: tau = emitted / steps = 1 + accepted / steps.
     emitted = counter("emitted_tokens") if "emitted_tokens" in stage.metrics else steps + counter("accepted_tokens")

@@ -79,9 +79,9 @@ def run(cfg: Config, drafter: str) -> None:
         if mismatched:
             tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
         fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()})
-        _log_per_set(tracked, fields)
         _register(cfg, tracked, drafter, path, fields, identity,
                   ("no" if mismatched else "yes") if settings.greedy else "not checked")
+        _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
             **model_size(target), "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
@@ -111,8 +111,8 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
             fields.update({f"accept_{i}": None for i in range(1, ev.k + 1)})
         tokens = sum(result.completion_tokens for result in measured.values())
         seconds = sum(result.seconds for result in measured.values())
-        _log_per_set(tracked, fields)
         _register(cfg, tracked, drafter, path, fields, identity, "not checked")
+        _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
             "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
             "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
@@ -120,8 +120,10 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
 
 
 def _log_per_set(tracked, fields: dict) -> None:
-    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set)."""
-    tracked.log_metrics({f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()})
+    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set), unless
+    registering the drafter logged them with its model already."""
+    tracked.log_metrics({f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()
+                         if f"tau/{name}" not in tracked.logged})
 
 
 def _register(cfg: Config, tracked, drafter: str, path: Path, fields: dict, identity: dict[str, str],

@@ -30,23 +30,30 @@ def run(cfg: Config) -> None:
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
         text = markdown(metrics, scrub(tracking_uri(cfg)), tracked.experiment_id)
-        with atomic_dir(cfg.report.out_dir) as out:
+        out_dir = destination(tracked, Path(cfg.report.out_dir))
+        with atomic_dir(out_dir) as out:
             (out / "summary.md").write_text(text)
             acceptance_by_position(metrics).to_csv(out / "acceptance.csv", index=False)
             plot(metrics, histories, out / "comparison.png")
             tau_by_set_table(metrics).to_csv(out / "tau_by_set.csv", index=False)
             plot_tau_by_set(metrics, out / "tau_by_set.png")
         write_json_atomic(destination(tracked, HEADLINE), headline(metrics))
-        tracked.log_artifact(Path(cfg.report.out_dir), "report")
-        overrides = params_overrides(tracked.root)
-        tracked.log_pipeline(pipeline_metrics(metrics), {
-            **cfg.pipeline_params(pipeline_params(tracked.root)),
-            "overrides": "; ".join(f"{key}={value}" for key, value in sorted(overrides.items())) or "none"}, text)
-        tracked.log_pipeline_artifact(Path(cfg.report.out_dir), "report")
-        tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
-        with tempfile.TemporaryDirectory() as lineage:  # what `eagle3ops reproduce` needs, passwords masked
-            for name in ("dvc.yaml", "params.yaml", "dvc.lock"):
-                if Path(name).is_file():
-                    (Path(lineage) / name).write_text(scrub(Path(name).read_text()))
-                    tracked.log_pipeline_artifact(Path(lineage) / name, "lineage")
+        tracked.log_artifact(out_dir, "report")
+        if not tracked.one_off:  # a one-off report describes no pipeline run
+            _describe_pipeline(cfg, tracked, metrics, text)
         print(text)
+
+
+def _describe_pipeline(cfg: Config, tracked, metrics: dict[str, dict], text: str) -> None:
+    """The pipeline run's headline, params, report and lineage on its parent run, and the stages DVC skipped."""
+    overrides = params_overrides(tracked.root)
+    tracked.log_pipeline(pipeline_metrics(metrics), {
+        **cfg.pipeline_params(pipeline_params(tracked.root)),
+        "overrides": "; ".join(f"{key}={value}" for key, value in sorted(overrides.items())) or "none"}, text)
+    tracked.log_pipeline_artifact(Path(cfg.report.out_dir), "report")
+    tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
+    with tempfile.TemporaryDirectory() as lineage:  # what `eagle3ops reproduce` needs, passwords masked
+        for name in ("dvc.yaml", "params.yaml", "dvc.lock"):
+            if Path(name).is_file():
+                (Path(lineage) / name).write_text(scrub(Path(name).read_text()))
+                tracked.log_pipeline_artifact(Path(lineage) / name, "lineage")

@@ -19,7 +19,9 @@ ONE_OFF_DIR = Path(".eagle3ops") / "one-off"
 def destination(run, path: Path) -> Path:
     """Where `run` writes one of the pipeline's files (metrics/, plots/, metrics.json): in place for a pipeline
     run, under .eagle3ops/one-off/ for a one-off run (`--set`, `--params`), which must not overwrite them."""
-    return ONE_OFF_DIR / path if run.one_off else path
+    if not run.one_off:
+        return path
+    return ONE_OFF_DIR / (path.absolute().relative_to(Path.cwd()) if path.is_absolute() else path)
 
 
 def record(run, name: str, metrics: dict) -> dict:

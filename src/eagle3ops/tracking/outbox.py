@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +20,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
-from eagle3ops.fs import write_json_atomic
+from eagle3ops.fs import link_or_copy, write_json_atomic
 from eagle3ops.tracking.registry import MODEL_FILES, Measurement, log_drafter_model, register_drafter
 
 OUTBOX_DIR = Path(".eagle3ops") / "outbox"
@@ -28,19 +28,11 @@ RECORD = "run.json"
 
 
 def _copy(source: Path, destination: Path) -> None:
-    """Hard links where possible: a 2 GB drafter need not be stored twice."""
     if source.is_dir():
-        shutil.copytree(source, destination, copy_function=_link_or_copy)
+        shutil.copytree(source, destination, copy_function=link_or_copy)
     else:
         destination.parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(source, destination)
-
-
-def _link_or_copy(source, destination) -> None:
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
+        link_or_copy(source, destination)
 
 
 class Outbox:
@@ -62,6 +54,13 @@ class Outbox:
         stored = Path("files") / str(len(self.record["artifacts"])) / Path(path).name
         _copy(Path(path), self.dir / stored)
         self.record["artifacts"].append({"file": str(stored), "artifact_path": artifact_path, "on_parent": on_parent})
+        self._save()
+
+    def document(self, name: str, data: dict) -> None:
+        """A JSON artifact of the run written here directly (hardware.json)."""
+        stored = Path("files") / str(len(self.record["artifacts"])) / name
+        write_json_atomic(self.dir / stored, data)
+        self.record["artifacts"].append({"file": str(stored), "artifact_path": None, "on_parent": False})
         self._save()
 
     def tags(self, tags: dict[str, str]) -> None:
@@ -133,12 +132,18 @@ def sync(uri: str, root: Path) -> list[str]:
             wanted = record["model"]
             log_drafter_model(client, client.get_run(run_id), entry / wanted["dir"], wanted["name"], wanted["tags"],
                               wanted["params"])
-        if record["register"]:
+        if record["register"] and "sha256" not in record["register"]:
+            print(f"eagle3ops sync: {entry.name}: a registration recorded by an older eagle3ops (no weights digest); "
+                  f"its run is uploaded, its drafter not registered", file=sys.stderr)
+        elif record["register"]:
             wanted = record["register"]
-            register_drafter(client, client.get_run(run_id), wanted["name"], wanted["sha256"], wanted["tau"],
+            version = register_drafter(client, client.get_run(run_id), wanted["name"], wanted["sha256"], wanted["tau"],
                              {key: tuple(value) for key, value in wanted["linked_metrics"].items()},
                              Measurement(**{key: tuple(value) if isinstance(value, list) else value
                                             for key, value in wanted["measurement"].items()}))
+            if version is None:
+                print(f"eagle3ops sync: {entry.name}: no logged model has the weights its eval measured (sha256 "
+                      f"{wanted['sha256'][:12]}); its drafter is not registered", file=sys.stderr)
         client.set_terminated(run_id, record["status"])
         shutil.rmtree(entry)
         done.append(run_id)

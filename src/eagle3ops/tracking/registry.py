@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 import time
 from collections.abc import Mapping
@@ -28,6 +26,7 @@ from mlflow.exceptions import MlflowException
 
 from eagle3ops.data.shards import sha256_file
 from eagle3ops.formats.specforge import WEIGHTS
+from eagle3ops.fs import link_or_copy
 
 CHAMPION = "champion"
 MODEL_TYPE = "eagle3-drafter"
@@ -49,12 +48,10 @@ def log_drafter_model(client: MlflowClient, run, directory: str | Path, name: st
                                        tags={**tags, WEIGHTS_TAG: weights_sha256(directory)}, params=dict(params),
                                        model_type=MODEL_TYPE)
     try:
-        with tempfile.TemporaryDirectory() as staging:
+        # beside the drafter, on its disk: hard links, not a copy
+        with tempfile.TemporaryDirectory(prefix=".staging-", dir=Path(directory).parent) as staging:
             for file in MODEL_FILES:
-                try:
-                    os.link(Path(directory) / file, Path(staging) / file)
-                except OSError:
-                    shutil.copy2(Path(directory) / file, Path(staging) / file)
+                link_or_copy(Path(directory) / file, Path(staging) / file)
             client.log_model_artifacts(model.model_id, staging)
     except BaseException:
         client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
@@ -67,10 +64,11 @@ def log_drafter_model(client: MlflowClient, run, directory: str | Path, name: st
 
 
 def find_drafter_model(client: MlflowClient, experiment_id: str, sha256: str):
-    """The newest logged model with these weights, or None (trained elsewhere, or its train run was offline)."""
-    found = client.search_logged_models([experiment_id], f"tags.`{WEIGHTS_TAG}` = '{sha256}'", max_results=1,
+    """The newest complete logged model with these weights, or None (trained elsewhere, its train run not synced
+    yet, or its upload failed)."""
+    found = client.search_logged_models([experiment_id], f"tags.`{WEIGHTS_TAG}` = '{sha256}'", max_results=20,
                                         order_by=[{"field_name": "creation_time", "ascending": False}])
-    return found[0] if found else None
+    return next((model for model in found if model.status == LoggedModelStatus.READY), None)
 
 
 @dataclass(frozen=True)

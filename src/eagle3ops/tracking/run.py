@@ -26,7 +26,7 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric
 
-from eagle3ops.config import NOT_LINEAGE, Config
+from eagle3ops.config import NOT_LINEAGE, Config, covered
 from eagle3ops.tracking import hardware
 from eagle3ops.tracking.lineage import (
     git_state,
@@ -191,7 +191,10 @@ class StageRun:
                                        linked_metrics, measurement)
             if version is None:
                 print(f"eagle3ops: no logged model in this experiment has the evaluated weights (sha256 {sha256[:12]}); "
-                      f"not registered in {name}", file=sys.stderr, flush=True)
+                      f"not registered in {name} (was the train run recorded offline? `eagle3ops sync`, then run "
+                      f"this eval again)", file=sys.stderr, flush=True)
+            else:
+                self.logged.update(linked_metrics)  # logged with the model: not again on their own
 
         if not self._send(register):
             self.outbox.register(name, sha256, tau, linked_metrics, measurement)
@@ -208,8 +211,12 @@ class StageRun:
     def log_pipeline_artifact(self, path: str | Path, artifact_path: str) -> None:
         """A file or directory that describes the whole pipeline run (dvc.lock, the report) goes on the parent."""
         path = Path(path)
-        log = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
-        if not self._send(lambda: log(self.parent_id, str(path), artifact_path)):
+
+        def send():
+            log = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
+            log(self.parent_id, str(path), artifact_path)
+
+        if not self._send(send):
             self.outbox.artifact(path, artifact_path, on_parent=True)
 
     def link_cached_stages(self) -> list[str]:
@@ -253,7 +260,10 @@ def stage_run(
     shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
     if os.environ.get("EAGLE3OPS_REPRODUCES"):  # set by `eagle3ops reproduce` for the re-run it starts
         shared["eagle3ops.reproduces"] = os.environ["EAGLE3OPS_REPRODUCES"]
-    name = exp_name or f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}"  # used only when the parent is created
+    if ONE_OFF.get():  # under a parent of its own, role one_off: `compare` and the pipeline views leave it out
+        shared.update({ROLE_TAG: "one_off", "eagle3ops.one_off": ONE_OFF.get()})
+    # used only when the parent is created
+    name = exp_name or f"{'one-off' if ONE_OFF.get() else 'pipeline'} {time.strftime('%Y-%m-%d %H:%M:%S')}"
     md5s = input_md5s(inputs, root)
     fp = hardware.fingerprint()
     tags = {
@@ -263,19 +273,19 @@ def stage_run(
         "eagle3ops.variant": variant or "",
         "eagle3ops.dvc_stage": dvc_stage,
         "eagle3ops.git_dirty": str(dirty).lower(),
-        **({"eagle3ops.one_off": ONE_OFF.get()} if ONE_OFF.get() else {}),
         "hardware.label": hardware.label(fp, cfg.hardware.label),
         **{f"hardware.{name}": str(fp[name]) for name in HARDWARE_TAGS},  # the rest: hardware.json
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},
     }
     # What the stage's results depend on: the params it declares (not where it ran), and the target's identity
     params = {**{key: _param_text(value) for key, value in cfg.stage_params().items()
-                 if not any(key == name or key.startswith(f"{name}.") for name in NOT_LINEAGE)},
+                 if not covered(key, NOT_LINEAGE)},
               **{key: _param_text(str(value)) for key, value in (extra_params or {}).items()}}
     record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
               "run_name": f"{dvc_stage} · {name}", "tags": tags, "params": params}
 
     handle = StageRun(None, None, start, None, None, root, record)
+    hardware_logged = False
     try:
         mlflow.set_tracking_uri(uri)
         client = MlflowClient(uri)
@@ -292,9 +302,12 @@ def stage_run(
         handle = StageRun(client, active.info.run_id, start, experiment_id, parent_id, root, record)
         mlflow.log_params(params)
         mlflow.log_dict(fp, "hardware.json")
+        hardware_logged = True
         _log_inputs(client, active.info.run_id, md5s)
     except UNREACHABLE as err:
         handle.go_offline(err)
+        if not hardware_logged:
+            handle.outbox.document("hardware.json", fp)
     handle.input_md5s = md5s
     status = "FAILED"
     try:

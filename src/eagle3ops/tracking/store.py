@@ -92,10 +92,12 @@ def find_or_create_experiment(client: MlflowClient, name: str, artifact_location
 
 
 def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str]) -> str:
-    """The pipeline's parent run, created FINISHED on first use."""
+    """The pipeline's parent run (a one-off run's, when `tags` give the role one_off), created FINISHED on first
+    use."""
+    role = tags.get(ROLE_TAG, "pipeline")
     found = client.search_runs(
         [experiment_id],
-        filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`{ROLE_TAG}` = 'pipeline'",
+        filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`{ROLE_TAG}` = '{role}'",
         order_by=["attributes.start_time ASC"],
         max_results=1,
     )
@@ -104,7 +106,7 @@ def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str
         for tag, value in tags.items():
             client.set_tag(run_id, tag, value)
         return run_id
-    run = client.create_run(experiment_id, run_name=name, tags={ROLE_TAG: "pipeline", **tags})
+    run = client.create_run(experiment_id, run_name=name, tags={ROLE_TAG: role, **tags})
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
 
