@@ -190,6 +190,8 @@ def test_git_commit_and_dirty_state(tmp_path: Path) -> None:
     git("commit", "-qm", "init")
     cfg = Config()
     Path("dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # what every `dvc repro` stage does
+    Path("models").mkdir()
+    Path("models/.gitignore").write_text("/zoo\n")  # and the .gitignore DVC writes beside each new output
     with stage_run(cfg, "prepare") as clean:
         pass
     Path("train.py").write_text("")

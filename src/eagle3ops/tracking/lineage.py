@@ -32,11 +32,13 @@ def git(root: Path, *args: str) -> str | None:
 
 def git_state(root: Path) -> tuple[str, bool]:
     """(HEAD commit or "nogit", whether a file git tracks differs from it). What DVC writes is left out: dvc.lock,
-    rewritten after every stage, and the stages' outputs (metrics, plots and reports live in git), else the
-    second stage of a fresh clone's first `dvc repro` would already call the tree dirty."""
+    rewritten after every stage, the stages' outputs (metrics, plots and reports live in git) and the .gitignore
+    files DVC writes beside new outputs, else the second stage of a fresh clone's first `dvc repro` would already
+    call the tree dirty."""
     commit = git(root, "rev-parse", "HEAD") or "nogit"
     outputs = [f":(exclude,literal){path}" for path in lock_outputs(root / "dvc.lock")]
-    status = git(root, "status", "--porcelain", "--", ".", ":(exclude,glob)**/dvc.lock", *outputs)
+    status = git(root, "status", "--porcelain", "--", ".", ":(exclude,glob)**/dvc.lock", ":(exclude,glob)**/.gitignore",
+                 *outputs)
     return commit, bool(status)
 
 
