@@ -76,14 +76,18 @@ class Measurement:
     """How a tau was measured. Two taus compare only when all of it is equal."""
     target: str  # id@revision
     target_digest: str  # of the files that define it (tracking/identity.py)
-    sets: tuple[str, ...]  # name:md5 of each prompt set file
+    sets: tuple[str, ...]  # name:md5:prompts of each prompt set
     k: int
     decoding: str  # the sampling and tree settings, and the backend
     lossless: str  # yes | no | not checked
 
+    @property
+    def set_names(self) -> list[str]:
+        return [entry.split(":")[0] for entry in self.sets]
+
     def describe(self) -> str:
-        names = ", ".join(entry.split(":")[0] for entry in self.sets)
-        return f"target {self.target}; prompt sets {names}; k={self.k}; {self.decoding}; lossless {self.lossless}"
+        return (f"target {self.target}; prompt sets {', '.join(self.set_names)}; k={self.k}; {self.decoding}; "
+                f"lossless {self.lossless}")
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True, default=list).encode()).hexdigest()[:16]
@@ -117,7 +121,7 @@ def register_drafter(client: MlflowClient, eval_run, name: str, sha256: str, tau
             name, f"models:/{model.model_id}", run_id=model.source_run_id, model_id=model.model_id,
             description=description,
             tags={"tau": f"{tau:.4f}", "target": measurement.target, "k": str(measurement.k),
-                  "sets": ",".join(entry.split(":")[0] for entry in measurement.sets), "lossless": measurement.lossless,
+                  "sets": ",".join(measurement.set_names), "lossless": measurement.lossless,
                   WEIGHTS_TAG: sha256, MEASURED_AS_TAG: measured_as})
         same.append(version)
     if measurement.lossless != "no":  # a drafter that changed the target's output is a bug, never the champion

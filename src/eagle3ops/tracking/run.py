@@ -55,8 +55,8 @@ from eagle3ops.tracking.store import (
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
 MAX_PARAM_CHARS = 500
 # The hardware facts a runs table filters and groups by; every fact is in the run's hardware.json
-LOAD_METRIC = "machine/load_per_core"
 HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores")
+LOAD_METRIC = "machine/load_per_core"  # 1-minute load average per usable core as the stage ended
 # Why a stage run is a one-off (`--set train.lr=1e-3`, `--params other.yaml`), set by the CLI; None: the pipeline's
 # run. A one-off run is recorded, tagged eagle3ops.one_off, but leaves the pipeline's metrics and the champion alone.
 ONE_OFF: ContextVar[str | None] = ContextVar("one_off", default=None)
@@ -314,8 +314,7 @@ def stage_run(
         yield handle
         status = "FINISHED"
     finally:
-        # 1-minute load average per usable core as the stage ends (the stage's own threads included): what
-        # `compare` shows when two runs on one hardware label differ in speed
+        # the stage's own threads included: what `compare` shows when runs on one hardware label differ in speed
         handle.log_metrics({"time/stage_wall_s": time.perf_counter() - start,
                             LOAD_METRIC: os.getloadavg()[0] / _cores(fp)})
         if handle.run_id is not None:
