@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
 
 from conftest import isolate
 from eagle3ops.config import Config
@@ -98,6 +99,16 @@ def test_evaluated_weights_nobody_logged_are_not_registered(store, capsys):
     root, cfg, client = store
     trained(root, cfg, "scratch", 0)
     evaluated(cfg, "0" * 64, 2.0)
+    assert "no logged model in this experiment has the evaluated weights" in capsys.readouterr().err
+    assert client.search_model_versions(f"name = '{NAME}'") == []
+
+
+def test_a_logged_model_whose_upload_failed_is_not_registered(store, capsys):
+    root, cfg, client = store
+    sha = trained(root, cfg, "scratch", 0)
+    (model,) = client.search_logged_models([client.get_experiment_by_name("eagle3ops").experiment_id])
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)  # as when its upload raised
+    evaluated(cfg, sha, 2.0)
     assert "no logged model in this experiment has the evaluated weights" in capsys.readouterr().err
     assert client.search_model_versions(f"name = '{NAME}'") == []
 
