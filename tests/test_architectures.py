@@ -139,7 +139,7 @@ def pipeline(target_dir, store, tiny_tokenizer) -> Path:
                  "draft_vocab_size": len(tiny_tokenizer)},
         "generate": {"backend": "none"},
         "extract": {"batch_size": 4, "samples_per_shard": 8},
-        "train": {"epochs": 4, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.1, "ttt_steps": 3, "log_every": 1,
+        "train": {"epochs": 4, "batch_size": 2, "packed_length": 128, "lr": 3e-3, "warmup_ratio": 0.1, "ttt_steps": 3, "log_every": 1,
                   "checkpoint_every": 0, "draft": DRAFT_SHAPES.get(name, {})},
         "eval": {"max_new_tokens": 12, "sets": [{"name": "chat", "path": "data/prompts.jsonl"}], "sets_dir": "data"},
         "mlflow": {"system_metrics": False, "registered_model": None},

@@ -35,54 +35,71 @@ def make_draft(seed=0, heads=4, kv_heads=2) -> Eagle3Draft:
     return draft.eval()
 
 
-def ttt_mask(T: int, k: int) -> torch.Tensor:
-    """Dense mask over keys [step 0 (T) | step 1 (T) | ... | step k (T)] for step-k queries:
-    causal on step 0, same position only on steps 1..k."""
-    blocks = [torch.ones(T, T, dtype=torch.bool).tril()] + [torch.eye(T, dtype=torch.bool)] * k
-    return torch.cat(blocks, dim=1)
+def positions_of(*lengths: int) -> torch.Tensor:
+    """A packed row's positions [1, sum(lengths)]: each document's own, from 0."""
+    return torch.cat([torch.arange(n) for n in lengths])[None]
 
 
-def test_ttt_attention_matches_dense_masked_attention():
-    draft = make_draft()
+def run_steps(draft, ids, hidden, positions, steps: int) -> list[torch.Tensor]:
+    """The drafter's logits at each of `steps` TTT steps, each step's hidden state fed to the next."""
+    context, outs = draft.ttt_context(positions, steps), []
+    for _ in range(steps):
+        hidden, logits, keys, values = draft(ids, hidden, positions, context)
+        context = context.after(keys, values)
+        outs.append(logits)
+    return outs
+
+
+def ttt_mask(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Dense mask [B, 1, T, (k+1)T] over keys [step 0 | step 1 | ... | step k] for step-k queries: causal within
+    the query's document on step 0, its own position only on steps 1..k."""
+    T = positions.shape[1]
+    documents = (positions == 0).cumsum(-1)
+    step0 = torch.ones(T, T, dtype=torch.bool).tril() & (documents[:, :, None] == documents[:, None])
+    own = torch.eye(T, dtype=torch.bool).expand_as(step0)
+    return torch.cat([step0] + [own] * k, dim=-1)[:, None]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_ttt_attention_matches_dense_masked_attention(heads, kv_heads):
+    """Step 0 within each document, the log-sum-exp merge of the later steps' own-position keys: one softmax over
+    all the keys the TTT picture shows, on packed rows."""
+    draft = make_draft(heads=heads, kv_heads=kv_heads)
     attn = draft.midlayer.self_attn
-    B, T, K = 2, 6, 4
+    K = 4
+    positions = torch.cat([positions_of(4, 3, 2), positions_of(9)])  # two rows of 9: three documents, and one
+    B, T = positions.shape
     xs = [torch.randn(B, T, 2 * H) for _ in range(K)]
-    cos, sin = rotary(torch.arange(T).expand(B, T), attn.hd, 10000.0)
-    cache = []
+    cos, sin = rotary(positions, attn.hd, 10000.0)
+    context, kvs = draft.ttt_context(positions, K), []
     with torch.no_grad():
-        outs = [attn.forward_ttt(x, cos, sin, cache) for x in xs]
         for k in range(K):
+            out, keys, values = attn.forward_ttt(xs[k], cos, sin, context)
+            context, kvs = context.after(keys, values), kvs + [(keys, values)]
             q, _, _ = attn._qkv(xs[k], cos, sin)
-            keys = torch.cat([attn._expand(cache[j][0]) for j in range(k + 1)], dim=2)  # [B, nh, (k+1)T, hd]
-            values = torch.cat([attn._expand(cache[j][1]) for j in range(k + 1)], dim=2)
-            dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_mask(T, k))
+            all_keys = torch.cat([attn._expand(kv[0]) for kv in kvs], dim=2)  # [B, nh, (k+1)T, hd]
+            all_values = torch.cat([attn._expand(kv[1]) for kv in kvs], dim=2)
+            dense = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=ttt_mask(positions, k))
             expected = attn.o_proj(dense.transpose(1, 2).reshape(B, T, -1))
-            torch.testing.assert_close(outs[k], expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_ttt_step_sees_no_future_position():
-    """Changing the input at position t must not change any earlier position's output, at any TTT step."""
+def test_ttt_step_sees_no_future_position_nor_another_document():
+    """Changing position t changes no earlier position of its document and nothing of the documents before or
+    after it in the row, at any TTT step."""
     draft = make_draft()
-    B, T = 1, 8
-    ids = torch.randint(0, V, (B, T))
-    aux = torch.randn(B, T, 3 * H)
-    positions = torch.arange(T).expand(B, T)
-
-    def run(ids, aux):
-        hidden, cache, outs = draft.fuse(aux), [], []
-        for _ in range(3):
-            hidden, logits = draft(ids, hidden, positions, cache)
-            outs.append(logits)
-        return outs
-
+    positions = positions_of(4, 5, 3)  # documents at 0..3, 4..8, 9..11
+    T = positions.shape[1]
+    ids, aux = torch.randint(0, V, (1, T)), torch.randn(1, T, 3 * H)
     with torch.no_grad():
-        base = run(ids, aux)
+        base = run_steps(draft, ids, draft.fuse(aux), positions, 3)
         aux2 = aux.clone()
-        aux2[:, 5] += 1.0
-        changed = run(ids, aux2)
+        aux2[:, 6] += 1.0
+        changed = run_steps(draft, ids, draft.fuse(aux2), positions, 3)
     for a, b in zip(base, changed):
-        torch.testing.assert_close(a[:, :5], b[:, :5])
-        assert not torch.allclose(a[:, 5:], b[:, 5:])
+        torch.testing.assert_close(a[:, :6], b[:, :6])
+        torch.testing.assert_close(a[:, 9:], b[:, 9:])
+        assert not torch.allclose(a[:, 6:9], b[:, 6:9])
 
 
 def test_serving_cache_matches_uncached_forward():
@@ -92,7 +109,7 @@ def test_serving_cache_matches_uncached_forward():
     ids, aux = torch.randint(0, V, (B, T)), torch.randn(B, T, 3 * H)
     positions = torch.arange(T).expand(B, T)
     with torch.no_grad():
-        _, full = draft(ids, draft.fuse(aux), positions, [])
+        _, full, _, _ = draft(ids, draft.fuse(aux), positions, draft.ttt_context(positions, 1))
         cache = KVCache()
         _, first = draft.step(ids[:, :4], draft.fuse(aux[:, :4]), positions[:, :4], kv_cache=cache)
         _, rest = draft.step(ids[:, 4:], draft.fuse(aux[:, 4:]), positions[:, 4:], kv_cache=cache)
@@ -122,9 +139,10 @@ def test_ttt_loss_alignment_and_value():
     mask = torch.zeros(B, T, dtype=torch.long)
     mask[0, 4:] = 1
     with torch.no_grad():
-        result = ttt_loss(draft, ids, aux, final, mask, head, ttt_steps=2, decay=0.8)
+        positions = torch.arange(T)[None]
+        result = ttt_loss(draft, ids, aux, final, mask, positions, head, ttt_steps=2, decay=0.8)
         # Manual step 0.
-        _, logits = draft(shift_left(ids), draft.fuse(aux), torch.arange(T)[None], [])
+        _, logits, _, _ = draft(shift_left(ids), draft.fuse(aux), positions, draft.ttt_context(positions, 2))
         probs, in_draft = target_distribution(final, head, draft.t2d)
         rows = [t for t in range(T - 2) if mask[0, t + 2] and in_draft[0, t + 1]]
         expected = -sum((probs[0, t + 1] * logits[0, t].log_softmax(-1)).sum() for t in rows) / len(rows)
@@ -149,7 +167,7 @@ def test_ttt_loss_trains_down():
     draft.train()
     first = None
     for _ in range(100):
-        result = ttt_loss(draft, ids, aux, final, mask, head, ttt_steps=3)
+        result = ttt_loss(draft, ids, aux, final, mask, torch.arange(12).expand(4, 12), head, ttt_steps=3)
         opt.zero_grad()
         result.loss.backward()
         opt.step()
@@ -185,60 +203,138 @@ def test_load_drafter_rejects_foreign_embedding(tmp_path):
         load_drafter(tmp_path / "d", torch.zeros(V + 1, H))
 
 
-@pytest.mark.parametrize("heads,kv_heads,T", [(4, 4, 16), (4, 2, 37)])
-def test_flex_ttt_attention_equals_the_reference(heads, kv_heads, T):
-    """The GPU kernel's block mask and key layout, run unfused on the CPU, against the explicit TTT attention."""
-    from eagle3ops.modeling.draft import Attention, ttt_attention_flex
-
-    torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      vocab_size=50, draft_vocab_size=20, target_hidden_size=32, head_dim=8)
-    attention = Attention(cfg)
-    B, hd = 2, cfg.head_dim
-    cache = []
-    for step in range(4):
-        q = torch.randn(B, heads, T, hd)
-        cache.append((torch.randn(B, kv_heads, T, hd), torch.randn(B, kv_heads, T, hd)))
-        expected = attention.ttt_attention_reference(q, cache)
-        assert torch.allclose(ttt_attention_flex(q, cache), expected, atol=1e-5), step
+def random_positions(T: int, documents: int, generator: torch.Generator) -> torch.Tensor:
+    """Positions [1, T] of a row packed with `documents` documents of random lengths."""
+    cuts = (torch.randperm(T - 1, generator=generator)[: documents - 1] + 1).sort().values.tolist()
+    return positions_of(*(b - a for a, b in zip([0, *cuts], [*cuts, T])))
 
 
-def reference_ttt_loss(draft, ids, aux, final, mask, head, steps, decay):
-    """The TTT loss written plainly: full logits, shifted copies, log-softmax, one step after another."""
-    logits_target = final @ head.T  # [B, T, V]
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_flex_attention_within_documents_equals_the_reference(heads, kv_heads):
+    """The GPU kernel's call (block mask, grouped heads, log-sum-exp), run unfused on the CPU, against the explicit
+    scores: the output and the log-sum-exp that merges the later steps."""
+    from eagle3ops.modeling.draft import TTTContext, document_block_mask, document_causal_attention, document_ids
+
+    generator = torch.Generator().manual_seed(0)
+    T, hd = 300, 8
+    positions = torch.cat([random_positions(T, 5, generator), random_positions(T, 2, generator)])
+    documents = document_ids(positions)
+    q = torch.randn(2, heads, T, hd, generator=generator)
+    keys, values = (torch.randn(2, kv_heads, T, hd, generator=generator) for _ in range(2))
+    flex = document_causal_attention(q, keys, values, TTTContext(documents, document_block_mask(documents)))
+    reference = document_causal_attention(q, keys, values, TTTContext(documents, None))
+    for a, b in zip(flex, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_document_block_mask_reads_every_visible_pair_and_skips_the_rest():
+    """The tiles the flex kernel reads: every pair a query sees lies in a listed tile, a tile read whole holds only
+    visible pairs, and a tile with none is skipped (long documents over several tiles, short ones within one)."""
+    from eagle3ops.modeling.draft import BLOCK, document_block_mask, document_ids
+
+    positions = torch.cat([positions_of(300, 5, 40, 295), positions_of(130, 2, 2, 506)])  # rows of 640
+    documents = document_ids(positions)
+    mask = document_block_mask(documents)
+    T = positions.shape[1]
+    tiles = T // BLOCK
+    visible = torch.ones(T, T, dtype=torch.bool).tril() & (documents[:, :, None] == documents[:, None])
+    pairs = visible.view(2, tiles, BLOCK, tiles, BLOCK).transpose(2, 3)  # [B, q tile, kv tile, BLOCK, BLOCK]
+
+    def listed(counts, indices):  # [B, q tile, kv tile] bool
+        dense = torch.zeros(2, tiles, tiles, dtype=torch.bool)
+        for b in range(2):
+            for q in range(tiles):
+                dense[b, q, indices[b, 0, q, : counts[b, 0, q]].long()] = True
+        return dense
+
+    partial, whole = listed(mask.kv_num_blocks, mask.kv_indices), listed(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not (partial & whole).any()
+    assert torch.equal(partial | whole, pairs.any(-1).any(-1))
+    assert torch.equal(whole, pairs.all(-1).all(-1))
+    assert whole.any() and (~(partial | whole)).any()  # the rows exercise all three kinds
+
+
+def document_loss_alone(draft, ids, aux, final, mask, head, steps) -> list[tuple[torch.Tensor, int]]:
+    """One document in a row of its own, the TTT loss written plainly: full target logits, log-softmax, one position
+    after another. -> (summed loss, counted positions) per step."""
+    logits_target = final @ head.T  # [1, L, V]
     probs = logits_target[..., draft.t2d].softmax(-1)
     in_draft = draft.t2d[logits_target.argmax(-1)]
-    B, T = ids.shape
-    hidden, cache, total = draft.fuse(aux), [], 0.0
-    inputs = shift_left(ids)
+    L = ids.shape[1]
+    positions = torch.arange(L)[None]
+    hidden, context, inputs, per_step = draft.fuse(aux), draft.ttt_context(positions, steps), shift_left(ids), []
     for k in range(steps):
-        hidden, logits = draft(inputs, hidden, torch.arange(T).expand(B, T), cache)
-        loss, count = 0.0, 0
-        for b in range(B):
-            for t in range(T - k - 2):
-                if mask[b, t + k + 2] and in_draft[b, t + k + 1]:
-                    loss = loss - (probs[b, t + k + 1] * F.log_softmax(logits[b, t], -1)).sum()
-                    count += 1
-        total = total + decay**k * loss / max(count, 1)
+        hidden, logits, keys, values = draft(inputs, hidden, positions, context)
+        context = context.after(keys, values)
+        counted = [t for t in range(L - k - 2) if mask[0, t + k + 2] and in_draft[0, t + k + 1]]
+        summed = sum((-(probs[0, t + k + 1] * F.log_softmax(logits[0, t], -1)).sum() for t in counted),
+                     torch.zeros(()))
+        per_step.append((summed, len(counted)))
         inputs = shift_left(inputs)
-    return total
+    return per_step
 
 
-def test_ttt_loss_and_gradients_equal_the_plain_reference():
+def packed_batch(lengths_by_row: list[list[int]], T: int, seed: int):
+    """Random documents packed into rows of T (tails padded): ids, aux, final, mask, positions, and each document's
+    (row, start, length)."""
+    generator = torch.Generator().manual_seed(seed)
+    B = len(lengths_by_row)
+    ids = torch.randint(0, V, (B, T), generator=generator)
+    aux, final = torch.randn(B, T, 3 * H, generator=generator), torch.randn(B, T, H, generator=generator)
+    mask = (torch.rand(B, T, generator=generator) > 0.3).long()
+    positions = torch.cat([positions_of(*lengths, T - sum(lengths)) for lengths in lengths_by_row])
+    documents = [(row, sum(lengths[:i]), n) for row, lengths in enumerate(lengths_by_row) for i, n in enumerate(lengths)]
+    mask[torch.arange(T)[None] >= torch.tensor([sum(lengths) for lengths in lengths_by_row])[:, None]] = 0  # tails
+    return ids, aux, final, mask, positions, documents
+
+
+def test_ttt_loss_and_gradients_of_packed_rows_equal_the_documents_trained_alone():
+    """Rows packed with several documents (and padded tails): the TTT loss and its gradients are those of the
+    documents each trained alone in a row of its own, with every step's loss over all their counted positions."""
     draft = make_draft(heads=2, kv_heads=1)
-    torch.manual_seed(3)
-    B, T = 2, 10
-    ids = torch.randint(0, V, (B, T))
-    aux, final, head = torch.randn(B, T, 3 * H), torch.randn(B, T, H), torch.randn(V, H)
-    mask = (torch.rand(B, T) > 0.3).long()
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(9))
+    steps, decay = 4, 0.8
+    ids, aux, final, mask, positions, documents = packed_batch([[7, 5, 2, 6], [11, 9]], T=22, seed=3)
     params = [p for p in draft.parameters() if p.requires_grad]
-    fast = ttt_loss(draft, ids, aux, final, mask, head, ttt_steps=4, decay=0.8).loss
-    fast_grads = torch.autograd.grad(fast, params)
-    plain = reference_ttt_loss(draft, ids, aux, final, mask, head, 4, 0.8)
+    packed = ttt_loss(draft, ids, aux, final, mask, positions, head, ttt_steps=steps, decay=decay)
+    packed_grads = torch.autograd.grad(packed.loss, params)
+    alone = [document_loss_alone(draft, *(x[row : row + 1, start : start + n] for x in (ids, aux, final, mask)), head,
+                                 steps) for row, start, n in documents]
+    counts = [sum(doc[k][1] for doc in alone) for k in range(steps)]
+    plain = sum(decay**k * sum(doc[k][0] for doc in alone) / counts[k] for k in range(steps))
     plain_grads = torch.autograd.grad(plain, params)
-    assert math.isclose(float(fast), float(plain), rel_tol=1e-5)
-    for p, a, b in zip(params, fast_grads, plain_grads):
+    assert packed.counted == counts and min(counts) > 0
+    assert math.isclose(float(packed.loss), float(plain), rel_tol=1e-5)
+    for a, b in zip(packed_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_each_document_of_a_packed_row_has_the_loss_and_gradients_it_has_alone():
+    """Counting one document of a packed row at a time (its loss mask alone): that document's per-step losses and
+    gradients, TTT steps 1 and later included, are those it has in a row of its own, to float32 rounding; and every
+    step feeds it the tokens it sees alone (zeros past its end, never the next document's)."""
+    draft = make_draft(heads=4, kv_heads=2)
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    ids, aux, final, mask, positions, documents = packed_batch([[6, 9, 5]], T=24, seed=5)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    fed = []  # the tokens each TTT step is given
+    forward = draft.forward
+    draft.forward = lambda input_ids, *args: fed.append(input_ids) or forward(input_ids, *args)
+    counted_at_step_1 = 0
+    for row, start, n in documents:
+        only = torch.zeros_like(mask)
+        only[row, start : start + n] = mask[row, start : start + n]
+        packed = ttt_loss(draft, ids, aux, final, only, positions, head, ttt_steps=4, decay=0.8)
+        piece = [x[row : row + 1, start : start + n] for x in (ids, aux, final, mask)]
+        alone = ttt_loss(draft, *piece, torch.arange(n)[None], head, ttt_steps=4, decay=0.8)
+        fed_packed, fed_alone, fed[:] = fed[:4], fed[4:], []
+        assert all(torch.equal(a[row : row + 1, start : start + n], b) for a, b in zip(fed_packed, fed_alone))
+        assert packed.counted == alone.counted and packed.masked == alone.masked
+        assert packed.losses == pytest.approx(alone.losses, rel=1e-5, abs=1e-6)
+        for a, b in zip(torch.autograd.grad(packed.loss, params), torch.autograd.grad(alone.loss, params)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        counted_at_step_1 += packed.counted[1]
+    assert counted_at_step_1 > 0
 
 
 def test_soft_cross_entropy_value_and_gradient():
@@ -258,31 +354,35 @@ def test_soft_cross_entropy_value_and_gradient():
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on a CPU needs a C compiler")
-def test_the_compiled_step_and_loss_give_the_eager_loss_and_gradients():
+def test_the_compiled_step_and_loss_give_the_eager_loss_and_gradients_and_compile_once():
     """What the training loop compiles on a GPU (the drafter's forward, one TTT step, and the step loss), compiled
-    here by the CPU backend: the same TTT loss and gradients as eager. Guards the rewrites the fusion relies on
-    (the TTT cache a list the compiled step appends to, the loss written as lse * sum(p) - p . z)."""
+    here by the CPU backend: the same TTT loss and gradients as eager, and a fixed number of graphs, three of the
+    step (step 0, step 1, every later step) and one of the loss, whatever the batches' documents and the TTT depth."""
     import copy
+
+    from torch._dynamo.utils import counters
 
     from eagle3ops.modeling.draft import soft_cross_entropy
 
     eager = make_draft(heads=2, kv_heads=1)
     compiled = copy.deepcopy(eager)
     compiled.compile(dynamic=False)
-    torch.manual_seed(4)
-    B, T = 2, 12
-    ids = torch.randint(0, V, (B, T))
-    aux, final, head = torch.randn(B, T, 3 * H), torch.randn(B, T, H), torch.randn(V, H)
-    mask = (torch.rand(B, T) > 0.3).long()
-    results = []
-    for draft, cross_entropy in ((eager, soft_cross_entropy), (compiled, torch.compile(soft_cross_entropy))):
-        params = [p for p in draft.parameters() if p.requires_grad]
-        result = ttt_loss(draft, ids, aux, final, mask, head, ttt_steps=3, decay=0.8, cross_entropy=cross_entropy)
-        results.append((result, torch.autograd.grad(result.loss, params)))
-    (plain, plain_grads), (fused, fused_grads) = results
-    assert plain.losses == pytest.approx(fused.losses, rel=1e-5) and plain.accs == fused.accs
-    for a, b in zip(plain_grads, fused_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    compiled_loss = torch.compile(soft_cross_entropy, dynamic=False)
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(4))
+    graphs_before = counters["stats"]["unique_graphs"]
+    for seed, rows in ((5, [[7, 5], [12]]), (6, [[3, 3, 3, 3], [2, 10]])):
+        ids, aux, final, mask, positions, _ = packed_batch(rows, T=12, seed=seed)
+        results = []
+        for draft, cross_entropy in ((eager, soft_cross_entropy), (compiled, compiled_loss)):
+            params = [p for p in draft.parameters() if p.requires_grad]
+            result = ttt_loss(draft, ids, aux, final, mask, positions, head, ttt_steps=5, decay=0.8,
+                              cross_entropy=cross_entropy)
+            results.append((result, torch.autograd.grad(result.loss, params)))
+        (plain, plain_grads), (fused, fused_grads) = results
+        assert plain.losses == pytest.approx(fused.losses, rel=1e-5) and plain.accs == fused.accs
+        for a, b in zip(plain_grads, fused_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 4
 
 
 def test_a_drafter_compiled_for_training_decodes_eager_at_any_shape():

@@ -38,7 +38,8 @@ draft.t2d.fill_(True)
 samples = [{"input_ids": torch.randint(0, V, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
             "aux_hidden": torch.randn(n, 3 * H), "final_hidden": torch.randn(n, H)} for n in range(8, 40)]
 head = torch.randn(V, H)
-optim = DrafterTrainConfig(epochs=4, batch_size=4, lr=1e-3, ttt_steps=3, log_every=2, checkpoint_every=3)
+optim = DrafterTrainConfig(epochs=4, batch_size=1, packed_length=96, lr=1e-3, ttt_steps=3, log_every=2,
+                           checkpoint_every=3)
 resume = ResumePoint(Path(resume_path)) if resume_path != "-" else None
 saved = resume.load() if resume else None
 result, state = train_drafter(Recipe(draft, samples, samples[:4], head, optim, 0, torch.device("cpu")),
@@ -244,7 +245,7 @@ def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_ta
     from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, write_vocab_map
 
     def workspace(root: Path) -> dict:
-        env = _extract_workspace(root, tiny_target_dir, {"train": {"epochs": 2, "batch_size": 8, "lr": 1e-3,
+        env = _extract_workspace(root, tiny_target_dir, {"train": {"epochs": 2, "batch_size": 2, "packed_length": 576, "lr": 1e-3,
                                                                     "checkpoint_every": 5, "log_every": 5,
                                                                     "simulate": {"every": 0}}})
         shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")

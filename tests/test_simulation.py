@@ -45,7 +45,7 @@ def test_simulated_tau_is_the_eval_tau_of_the_trained_drafter(tmp_path):
     settings = SpecSettings(k=3)
     simulator = AcceptanceSimulator(target, prompts, settings, max_new_tokens=12, eos_ids=set(), seed=0)
     logged: list[tuple[int, dict]] = []
-    optim = DrafterTrainConfig(epochs=30, batch_size=4, lr=1e-2, ttt_steps=3, log_every=60)
+    optim = DrafterTrainConfig(epochs=30, batch_size=1, packed_length=80, lr=1e-2, ttt_steps=3, log_every=60)
     recipe = Recipe(draft, features, [], target.lm_head.weight.detach(), optim, 0, torch.device("cpu"))
     result, _ = train_drafter(recipe, Hooks(log=lambda step, m: logged.append((step, m)), probe=simulator,
                                             probe_every=60))

@@ -76,6 +76,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device, dtype=features)
     final = torch.randn(batch, length, cfg.target_hidden_size, device=device, dtype=features)
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
+    positions = torch.arange(length, device=device).expand(batch, length)  # a document a row
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     losses = []
@@ -83,7 +84,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)  # before the forward, as the train stage does
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            result = ttt_loss(draft, ids, aux, final, mask, lm_head, ttt_steps, cross_entropy=cross_entropy)
+            result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, cross_entropy=cross_entropy)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
@@ -148,7 +149,8 @@ def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None
         global_batch = math.ceil(size.data_parallel_batch / world.size) * world.size
         samples = random_features(cfg, global_batch * size.data_parallel_steps, size.train_seq_len, 2 * global_batch)
         lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
-        optim = DrafterTrainConfig(epochs=1, batch_size=global_batch, lr=1e-4, log_every=1, checkpoint_every=0)
+        optim = DrafterTrainConfig(epochs=1, batch_size=global_batch, packed_length=size.train_seq_len, lr=1e-4,
+                                   log_every=1, checkpoint_every=0)  # a sample a row
         runs = [time_training(cfg, samples, lm_head, optim, device, distributed.World())] if world.main else []
         distributed.wait_for_main(world)
         runs.append(time_training(cfg, samples, lm_head, optim, device, world))

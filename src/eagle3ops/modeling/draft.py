@@ -13,7 +13,6 @@ Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` check
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -93,40 +92,131 @@ class KVCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-@torch.compiler.disable  # built on the host once per shape and kept; a compiled step receives it as an input
-@functools.cache
-def _ttt_block_mask(T: int, steps: int, device: str):
-    """The TTT mask: which keys of cat(K_0, ..., K_{steps-1}) [steps * T] query t of step k = steps - 1 sees:
-    the step-0 keys causally (K_0[<= t]) and every later step's key at its own position only (K_j[t]).
-    For T = 4 and step 2 (x = visible):
+BLOCK = 128  # the flex kernel's tile: its block mask lists, per tile of queries, the tiles of keys to read
 
-                     K_0        K_1        K_2
-        query   t:  0 1 2 3    0 1 2 3    0 1 2 3
-                0   x . . .    x . . .    x . . .
-                1   x x . .    . x . .    . x . .
-                2   x x x .    . . x .    . . x .
-                3   x x x x    . . . x    . . . x
 
-    Built once per (length, step): flex attention then skips the empty tiles, so steps 1..k cost only their
-    diagonal tiles instead of the (k+1) T^2 scores an explicit mask would compute."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] -> the document of each position [B, T]: a packed row's documents each start at position 0."""
+    return (positions == 0).cumsum(-1)
+
+
+def document_block_mask(documents: torch.Tensor):
+    """The flex kernel's block mask of step 0: query t sees key s <= t of its own document. documents [B, T].
+
+    Built from the documents of each tile's first and last token (documents are numbered in row order), never by
+    evaluating the mask position by position: a tile of keys is skipped when no document reaches from it to the
+    tile of queries, read whole when one document covers both tiles, and masked per position otherwise.
+    For documents 0 0 0 0 | 0 0 0 0 | 0 0 1 1 | 1 1 1 1 in tiles of 4 (x read whole, m masked per position,
+    . skipped):
+
+                          key tile:  0 1 2 3
+                query tile 0         m . . .
+                           1         x m . .
+                           2         m m m .
+                           3         . . m m
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, T = documents.shape
+    tiles = -(-T // BLOCK)
+    padded = F.pad(documents, (0, tiles * BLOCK - T), value=int(documents.max()) + 1)  # [B, tiles * BLOCK]
+    first, last = padded[:, ::BLOCK], padded[:, BLOCK - 1 :: BLOCK]  # [B, tiles]
+    causal = torch.ones(tiles, tiles, dtype=torch.bool, device=documents.device).tril()
+    reached = causal & (last[:, None, :] >= first[:, :, None])  # [B, q tile, kv tile]
+    whole = causal.tril(-1) & (first[:, None, :] == last[:, :, None])
 
     def visible(b, h, q_idx, kv_idx):
-        block, position = kv_idx // T, kv_idx % T
-        return ((block == 0) & (position <= q_idx)) | ((block > 0) & (position == q_idx))
+        return (kv_idx <= q_idx) & (padded[b, q_idx] == padded[b, kv_idx])
 
-    return create_block_mask(visible, None, None, T, steps * T, device=device)
+    def listed(tiles_read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # count [B, 1, n], indices [B, 1, n, n]
+        order = torch.argsort((~tiles_read).to(torch.int8), dim=-1, stable=True)
+        return tiles_read.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*listed(reached & ~whole), *listed(whole), BLOCK_SIZE=BLOCK, mask_mod=visible,
+                                    seq_lengths=(T, T))
 
 
-def ttt_attention_flex(q: torch.Tensor, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The TTT attention in one fused kernel: q [B, nh, T, hd] over cat(K_0..K_k) [B, nkv, (k+1)T, hd]."""
-    T, steps = q.shape[2], len(ttt_cache)
-    keys = torch.cat([k for k, _ in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][0]
-    values = torch.cat([v for _, v in ttt_cache], dim=2) if steps > 1 else ttt_cache[0][1]
-    from torch.nn.attention.flex_attention import flex_attention
+@dataclass
+class TTTContext:
+    """What TTT step k attends to besides its own keys; `ttt_loss` makes one per batch and adds each step's keys.
 
-    return flex_attention(q, keys, values, enable_gqa=q.shape[1] != keys.shape[1],
-                          block_mask=_ttt_block_mask(T, steps, str(q.device)))
+    Query t of step k sees the step-0 keys of its document up to t, causally, and the keys of steps 1..k at its
+    own position t only. For a row packed with documents A (3 tokens) and B (2), step 2 (x = visible):
+
+                        K_0           K_1           K_2
+        query  t:  A A A B B    A A A B B    A A A B B
+               0   x . . . .    x . . . .    x . . . .
+               1   x x . . .    . x . . .    . x . . .
+               2   x x x . .    . . x . .    . . x . .
+               3   . . . x .    . . . x .    . . . x .
+               4   . . . x x    . . . . x    . . . . x
+
+    Step 0's part is attention within each document (the flex kernel with `document_block_mask`, or the explicit
+    reference); the own-position keys join it through the log-sum-exp (`add_own_positions`), so no step computes
+    scores for the (k + 1) T^2 pairs of the picture, and every step k >= 2 has the same shapes (one compiled graph).
+    """
+    documents: torch.Tensor  # [B, T]
+    block_mask: object | None  # the flex kernel's (document_block_mask); None: the explicit reference
+    keys0: torch.Tensor | None = None  # [B, nkv, T, hd] step 0's keys and values; None during step 0
+    values0: torch.Tensor | None = None
+    earlier_keys: torch.Tensor | None = None  # [B, nkv, S, T, hd] steps 1..k-1 in S = max(1, K - 2) slots
+    earlier_values: torch.Tensor | None = None
+    earlier_used: torch.Tensor | None = None  # [S] bool: the slots step k reads
+    later: tuple = ()  # ((keys, values), ...) of steps 1..k-1, from which the slots are stacked
+    slots: int = 1
+
+    def after(self, keys: torch.Tensor, values: torch.Tensor) -> TTTContext:
+        """The context of the next step: this step's keys and values [B, nkv, T, hd] added."""
+        if self.keys0 is None:
+            later = ()
+            keys0, values0 = keys, values
+        else:
+            later = (*self.later, (keys, values))
+            keys0, values0 = self.keys0, self.values0
+        unused = self.slots - len(later)
+        stack = [torch.stack([kv[i] for kv in later] + [torch.zeros_like(keys)] * unused, dim=2) for i in (0, 1)]
+        used = torch.arange(self.slots, device=keys.device) < len(later)
+        return TTTContext(self.documents, self.block_mask, keys0, values0, *stack, used, later, self.slots)
+
+
+def document_causal_attention(q, keys, values, context: TTTContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query over the keys of its document up to itself: q [B, nh, T, hd], keys/values [B, nkv, T, hd]
+    -> out [B, nh, T, hd], log-sum-exp of its scores [B, nh, T] (float32). One fused flex kernel with the block
+    mask, or the explicit scores (the reference the tests hold the kernel to)."""
+    if context.block_mask is not None:
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+        out, aux = flex_attention(q, keys, values, block_mask=context.block_mask, enable_gqa=q.shape[1] != keys.shape[1],
+                                  return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    T, group = q.shape[2], q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    documents = context.documents
+    visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() & (documents[:, :, None] == documents[:, None])
+    scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, nh, T, T]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp() @ values.float()).to(q.dtype), lse
+
+
+def add_own_positions(out0, lse0, q, keys, values, context: TTTContext) -> torch.Tensor:
+    """Step k >= 1: the softmax over step 0's keys (given as their output out0 [B, nh, T, hd] and log-sum-exp lse0
+    [B, nh, T]) widened by the keys of steps 1..k at the query's own position: the earlier steps' from `context`,
+    this step's `keys`/`values` [B, nkv, T, hd]. -> [B, nh, T, hd]. Scores and weights in float32."""
+    B, nh, T, hd = q.shape
+    nkv = keys.shape[1]
+    scale = 1.0 / math.sqrt(hd)
+    grouped = q.float().view(B, nkv, nh // nkv, T, hd)  # the query heads that share each key head
+    own = (grouped * keys.float()[:, :, None]).sum(-1) * scale  # [B, nkv, g, T]
+    earlier = (grouped[:, :, :, None] * context.earlier_keys.float()[:, :, None]).sum(-1) * scale  # [B, nkv, g, S, T]
+    earlier = earlier.masked_fill(~context.earlier_used[:, None], float("-inf"))
+    lse0 = lse0.view(B, nkv, nh // nkv, T)
+    top = torch.maximum(torch.maximum(lse0, own), earlier.amax(3))  # [B, nkv, g, T]
+    w0, w_own, w_earlier = (lse0 - top).exp(), (own - top).exp(), (earlier - top[:, :, :, None]).exp()
+    total = (w0 + w_own + w_earlier.sum(3))[..., None]
+    mixed = (w0[..., None] * out0.float().view(B, nkv, nh // nkv, T, hd) + w_own[..., None] * values.float()[:, :, None]
+             + (w_earlier[..., None] * context.earlier_values.float()[:, :, None]).sum(3))
+    return (mixed / total).view(B, nh, T, hd).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -139,6 +229,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.kernel = "auto"  # TTT attention: flex (fused), reference (explicit), auto = flex on a GPU
 
+    def uses_flex(self, device: torch.device) -> bool:
+        return self.kernel == "flex" or (self.kernel == "auto" and device.type == "cuda")
+
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
@@ -149,33 +242,17 @@ class Attention(nn.Module):
     def _expand(self, kv: torch.Tensor) -> torch.Tensor:
         return kv.repeat_interleave(self.nh // self.nkv, dim=1)  # [B, nkv, ., hd] -> [B, nh, ., hd]
 
-    def forward_ttt(self, x, cos, sin, ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """TTT step k = len(ttt_cache): queries attend causally to step-0 keys and to the keys of steps 1..k at
-        their own position only. x [B, T, 2H] -> [B, T, H]; appends this step's keys/values [B, nkv, T, hd]
-        to `ttt_cache`. On a GPU one fused flex-attention kernel does it (`ttt_attention_flex`), anywhere else
-        the explicit form below, which is also the reference the tests hold the kernel to."""
+    def forward_ttt(self, x, cos, sin, context: TTTContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One TTT step (TTTContext draws the mask). x [B, T, 2H] -> (out [B, T, H], this step's keys and values
+        [B, nkv, T, hd])."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        ttt_cache.append((k, v))
-        if self.kernel == "flex" or (self.kernel == "auto" and x.is_cuda):
-            out = ttt_attention_flex(q, ttt_cache)
+        if context.keys0 is None:  # step 0: attention within each document
+            out, _ = document_causal_attention(q, k, v, context)
         else:
-            out = self.ttt_attention_reference(q, ttt_cache)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
-
-    def ttt_attention_reference(self, q: torch.Tensor, ttt_cache: list) -> torch.Tensor:
-        """q [B, nh, T, hd] -> [B, nh, T, hd]: step-0 scores [T, T] causal, steps 1..k one score per position."""
-        T = q.shape[2]
-        (k0, v0), *later = [(self._expand(k), self._expand(v)) for k, v in ttt_cache]
-        scale = 1.0 / math.sqrt(self.hd)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, nh, T, T]
-        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in later]  # k x [B, nh, T, 1]
-        weights = torch.cat([scores0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nh, T, T + k]
-        out = weights[..., :T] @ v0  # [B, nh, T, hd]
-        for j, (_, vj) in enumerate(later):
-            out = out + weights[..., T + j : T + j + 1] * vj
-        return out
+            out0, lse0 = document_causal_attention(q, context.keys0, context.values0, context)
+            out = add_own_positions(out0, lse0, q, k, v, context)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), k, v
 
     def forward_cached(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
         """Serving: new positions attend causally to everything cached. x [B, n, 2H] -> [B, n, H]."""
@@ -208,13 +285,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, ttt_cache=None, kv_cache=None) -> torch.Tensor:
-        """embeds, hidden [B, T, H] -> new hidden [B, T, H] (pre-norm residual stream)."""
-        x = self.attention_input(embeds, hidden)  # [B, T, 2H]
-        if kv_cache is not None:
-            attn = self.self_attn.forward_cached(x, cos, sin, kv_cache)
-        else:
-            attn = self.self_attn.forward_ttt(x, cos, sin, ttt_cache)
+    def forward_ttt(self, embeds, hidden, cos, sin, context: TTTContext):
+        """One TTT step: embeds, hidden [B, T, H] -> (new hidden [B, T, H] (pre-norm residual stream), this step's
+        keys and values [B, nkv, T, hd])."""
+        attn, keys, values = self.self_attn.forward_ttt(self.attention_input(embeds, hidden), cos, sin, context)
+        return self.feed_forward(hidden + attn), keys, values
+
+    def forward(self, embeds, hidden, cos, sin, kv_cache: KVCache) -> torch.Tensor:
+        """Serving: embeds, hidden [B, n, H] -> new hidden [B, n, H], attending to `kv_cache`."""
+        attn = self.self_attn.forward_cached(self.attention_input(embeds, hidden), cos, sin, kv_cache)
         return self.feed_forward(hidden + attn)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -241,19 +320,25 @@ class Eagle3Draft(nn.Module):
         """[B, T, 3Ht] target features -> [B, T, H]."""
         return self.fc(aux_hidden)
 
-    def forward(self, input_ids, hidden, positions, ttt_cache: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training-time-test step: input_ids [B, T], hidden [B, T, H], positions [B, T]
-        -> (hidden out [B, T, H], draft logits [B, T, Vd]); this step's keys and values join `ttt_cache`.
-        What a training loop compiles (`module.compile()`); serving calls `step`, never compiled."""
+    def forward(self, input_ids, hidden, positions, context: TTTContext):
+        """One training-time-test step: input_ids [B, T], hidden [B, T, H], positions [B, T] (each document's own)
+        -> (hidden out [B, T, H], draft logits [B, T, Vd], this step's keys and values [B, nkv, T, hd] for
+        `context.after`). What a training loop compiles (`module.compile()`); serving calls `step`, never compiled."""
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, ttt_cache=ttt_cache)
-        return hidden, self.head(hidden)
+        hidden, keys, values = self.midlayer.forward_ttt(self.embed_tokens(input_ids), hidden, cos, sin, context)
+        return hidden, self.head(hidden), keys, values
 
     def step(self, input_ids, hidden, positions, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One serving step over new positions, attending to `kv_cache` (shapes as `forward`'s)."""
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv_cache=kv_cache)
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv_cache)
         return hidden, self.head(hidden)
+
+    def ttt_context(self, positions: torch.Tensor, ttt_steps: int) -> TTTContext:
+        """Step 0's context for a batch of packed rows (positions [B, T], each document's own from 0)."""
+        documents = document_ids(positions)
+        flex = self.midlayer.self_attn.uses_flex(positions.device)
+        return TTTContext(documents, document_block_mask(documents) if flex else None, slots=max(1, ttt_steps - 2))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, H] -> draft logits [B, T, Vd]."""
@@ -302,28 +387,33 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, target_top:
                        counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One TTT step's summed loss and correct count over its counted positions.
 
-    logits [B, n, Vd] (bf16 under autocast), target_p [B, n, Vd] float32, target_top, counted [B, n]
+    logits [B, T, Vd] (bf16 under autocast), target_p [B, T, Vd] float32, target_top, counted [B, T]
     -> (sum over counted positions of -(p * log_softmax(z)).sum(-1), how many of them have argmax z = target_top).
     Written as lse(z) * sum(p) - (p * z).sum(-1), so that compiled (as the training loop runs it on a GPU) the forward
     is one reduction kernel over the logits and the backward one pointwise kernel, softmax(z) * sum(p) - p, with
     no float32 copy of the logits kept between them.
     """
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32
-    per_position = torch.logsumexp(z, dim=-1) * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, n]
+    per_position = torch.logsumexp(z, dim=-1) * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
     correct = (logits.argmax(-1) == target_top) & counted
     return (per_position * counted).sum(), correct.sum()
 
 
-def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, lm_head_weight,
+def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, positions, lm_head_weight,
              ttt_steps: int = 7, decay: float = 0.8, normaliser=None, cross_entropy=soft_cross_entropy) -> TTTResult:
-    """Training-time test: K draft steps, each feeding its own output hidden state to the next.
+    """Training-time test over packed rows: K draft steps, each feeding its own output hidden state to the next.
 
-    input_ids, loss_mask [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]; loss_mask marks the
-    tokens the drafter must predict. Step k at position t sees emb(x_{t+k+1}), predicts x_{t+k+2} against the
-    target's distribution at t+k+1, and counts where loss_mask[t+k+2] is 1 and the target's argmax is in
-    the draft vocabulary (a token outside it can never be drafted; acc_k leaves it out, as SpecForge does,
-    so acc_k * coverage is the share of all masked tokens the drafter gets right). The target side is
-    computed once and read through views at each step's offset, never copied per step.
+    input_ids, loss_mask, positions [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]. A row holds whole
+    documents one after another, each with its own positions from 0 (training/data.py packs them); loss_mask marks
+    the tokens the drafter must predict. Step k at position t sees emb(x_{t+k+1}), predicts x_{t+k+2} against the
+    target's distribution at t+k+1, and counts where x_{t+k+2} is in t's document, loss_mask[t+k+2] is 1 and the
+    target's argmax is in the draft vocabulary (a token outside it can never be drafted; acc_k leaves it out, as
+    SpecForge does, so acc_k * coverage is the share of all masked tokens the drafter gets right).
+
+    Nothing crosses a document's end: not the attention (TTTContext), not the tokens shifted in at each step (zeros
+    past the end, as the document alone would see), not the counted positions; a document's losses and gradients
+    are those it has trained alone. The target side is computed once, padded by K + 1 positions, and read through
+    views at each step's offset: every step's loss has the same shapes, never a copy.
 
     Each step's loss is its summed soft cross-entropy over the counted positions divided by their count (at
     least 1); `normaliser` (data-parallel training: distributed.global_normaliser) maps that count [] to
@@ -331,28 +421,33 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     `cross_entropy` computes one step's summed loss (`soft_cross_entropy`, compiled by the training loop on a GPU).
     """
     B, T = input_ids.shape
-    positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    target_p, in_draft = target_distribution(final_hidden, lm_head_weight, draft.t2d)  # x_{j+1} at j
-    target_top = target_p.argmax(-1)  # [B, T] the target's choice, as a draft id
-    mask = loss_mask.bool()
-    next_ids = shift_left(input_ids)  # x_{t+1} at t
+    ahead = ttt_steps + 1  # the last step, K - 1, reads the target side at t + K and the token x_{t+K+1}
+    padded_final = F.pad(final_hidden, (0, 0, 0, ahead))
+    target_p, in_draft = target_distribution(padded_final, lm_head_weight, draft.t2d)  # [B, T + ahead]: x_{j+1} at j
+    target_top = target_p.argmax(-1)  # the target's choice, as a draft id
+    context = draft.ttt_context(positions, ttt_steps)
+    documents = F.pad(context.documents, (0, ahead), value=-1)  # [B, T + ahead]
+    mask = F.pad(loss_mask.bool(), (0, ahead))
+    continues = documents[:, 1 : T + 1] == documents[:, :T]  # [B, T] t + 1 is in t's document
+    next_ids = shift_left(input_ids) * continues  # x_{t+1} at t, 0 past the document's end
     hidden = draft.fuse(aux_hidden)
-    ttt_cache: list = []
     total = hidden.new_zeros((), dtype=torch.float32)
     per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
     for k in range(ttt_steps):
-        hidden, logits = draft(next_ids, hidden, positions, ttt_cache)
-        n = max(0, T - k - 2)  # positions t whose target token x_{t+k+2} exists
-        aligned = slice(k + 1, k + 1 + n)  # target side of position t at t+k+1
-        masked = mask[:, k + 2 : k + 2 + n]  # [B, n] x_{t+k+2} is an assistant token
-        counted = masked & in_draft[:, aligned]
+        hidden, logits, keys, values = draft(next_ids, hidden, positions, context)
+        if k + 1 < ttt_steps:
+            context = context.after(keys, values)
+        target = slice(k + 1, k + 1 + T)  # the target side of position t: t + k + 1
+        predicted = slice(k + 2, k + 2 + T)  # x_{t+k+2}
+        masked = mask[:, predicted] & (documents[:, predicted] == documents[:, :T])  # [B, T] an assistant token of t's
+        counted = masked & in_draft[:, target]
         count = counted.sum()
         divisor = count.clamp(min=1) if normaliser is None else normaliser(count)
-        summed, correct = cross_entropy(logits[:, :n], target_p[:, aligned], target_top[:, aligned], counted)
+        summed, correct = cross_entropy(logits, target_p[:, target], target_top[:, target], counted)
         loss_k = summed / divisor
         total = total + decay**k * loss_k
         per_step.append(torch.stack([loss_k.detach(), correct.float(), count.float(), masked.sum().float()]))
-        next_ids = shift_left(next_ids)
+        next_ids = shift_left(next_ids) * continues
     losses, corrects, counts, masks = torch.stack(per_step).T.tolist()
     return TTTResult(total, losses, [c / max(1, n) for c, n in zip(corrects, counts)],
                      [int(n) for n in counts], [int(m) for m in masks])

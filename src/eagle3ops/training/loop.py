@@ -3,8 +3,8 @@
     result, state = train_drafter(Recipe(draft, train_samples, eval_samples, lm_head, cfg.train, seed, device),
                                   Hooks(log=..., checkpoint=...), state)
 
-Each optimizer step: the TTT loss of modeling/draft.py on one batch, its gradients, clipping, AdamW, and the
-learning rate's linear warmup then cosine decay. The compile policy is the loop's (`prepare_for_training`).
+Each optimizer step: the TTT loss of modeling/draft.py on one batch of packed rows (training/data.py), its
+gradients, clipping, AdamW, and the learning rate's linear warmup then cosine decay. The compile policy is the loop's (`prepare_for_training`).
 Under torchrun the ranks share each global batch (training/distributed.py); the result is the single process's.
 A TrainState passed back continues the run exactly: the same batches, optimizer, scheduler and RNG, so the
 weights end as those of an uninterrupted run.
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -26,8 +28,21 @@ from eagle3ops.errors import InputError
 from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, soft_cross_entropy, ttt_loss
 from eagle3ops.progress import progress as progress_bar
 from eagle3ops.training import distributed
-from eagle3ops.training.data import PADDED_AHEAD, pad_batch, padded_ahead, remaining_batches, to_device
+from eagle3ops.training.data import (
+    ASSEMBLED_AHEAD,
+    assemble,
+    assembled_ahead,
+    eval_batches,
+    remaining_batches,
+    schedule,
+    to_device,
+)
 from eagle3ops.training.distributed import World
+
+
+# Compiled graphs and kernels (Inductor's and Triton's caches), kept for the next process: a resumed or re-run stage,
+# the next experiment. TORCHINDUCTOR_CACHE_DIR, when set, names another place.
+COMPILE_CACHE_DIR = Path(".eagle3ops") / "compile-cache"
 
 
 @dataclass
@@ -97,7 +112,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
                   ) -> tuple[TrainResult, TrainState]:
     """Train `recipe.draft` in place; returns the result and the state to save beside the drafter.
 
-    Over several ranks every rank walks the same global batches of `optim.batch_size` samples and trains on its
+    Over several ranks every rank walks the same global batches of `optim.batch_size` packed rows and trains on its
     share; DDP averages the gradients, and each TTT step's loss is normalised by the positions counted over the
     whole global batch, so losses, optimizer steps and weights are those of one process with that batch size,
     up to float rounding. Every rank returns the same result.
@@ -115,7 +130,8 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
                                   fused=device.type == "cuda")
     if recipe.warm_moments is not None and state is None:
         continue_moments(optimizer, recipe.warm_moments)
-    total_steps = math.ceil(len(recipe.train_samples) / optim.batch_size) * optim.epochs
+    batches = schedule(recipe.train_samples, optim.packed_length, optim.batch_size, recipe.seed, optim.epochs)
+    total_steps = sum(len(epoch) for epoch in batches)
     total_steps = min(total_steps, optim.max_steps) if optim.max_steps is not None else total_steps
     scheduler = warmup_cosine(optimizer, total_steps, optim.warmup_ratio)
     step, tokens, history = 0, 0, []
@@ -137,10 +153,10 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
     start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
-    remaining = remaining_batches(recipe.train_samples, optim.batch_size, recipe.seed, step, total_steps, optim.epochs)
-    depth = PADDED_AHEAD if device.type == "cuda" else 0
-    for epoch, batch_samples, padded in padded_ahead(remaining, world, device, depth):
-        batch = to_device(padded, device)
+    depth = ASSEMBLED_AHEAD if device.type == "cuda" else 0
+    remaining = remaining_batches(batches, step, total_steps)
+    for epoch, rows, assembled in assembled_ahead(remaining, world, optim.packed_length, device, depth):
+        batch = to_device(assembled, device)
         optimizer.zero_grad(set_to_none=True)  # now: kept through the forward, they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy)
         result.loss.backward()
@@ -148,7 +164,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         optimizer.step()
         scheduler.step()
         step += 1
-        tokens += int(sum(s["input_ids"].shape[0] for s in batch_samples))
+        tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
         progress.update(1)
         if step % optim.log_every == 0 or step == total_steps:
             loss_value, losses, accs = _global_metrics(result, world, device)
@@ -183,17 +199,17 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
 def prepare_for_training(draft: Eagle3Draft, device: torch.device) -> Callable:
     """The loop's compile policy: move the drafter for training and return the step loss to use.
 
-    On a GPU the drafter's forward (one TTT step: norms, projections with the rotary embedding, the
-    flex-attention kernel, SwiGLU, the head) and the step loss (`soft_cross_entropy`) are compiled, one graph
-    per (batch, length, TTT step): `pad_batch` buckets lengths so few are built, and the recompile limit is
-    raised so that no shape silently falls back to the unfused kernels. The frozen embedding (the target's,
+    On a GPU the drafter's forward (one TTT step: norms, projections with the rotary embedding, the flex-attention
+    kernel, SwiGLU, the head) and the step loss (`soft_cross_entropy`) are compiled. Every batch has one shape
+    (rows of train.packed_length) and every TTT step from the third on the same inputs (modeling/draft.py,
+    TTTContext), so the whole run compiles three graphs of the step and one of the loss, in the first step, whatever
+    the lengths of the data; `compile_cache` keeps them for the next process. The frozen embedding (the target's,
     only looked up) is kept in bf16 as the target keeps it. Elsewhere both run eager: the same math, unfused."""
     draft.to(device).train()
     if device.type != "cuda":
         return soft_cross_entropy
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR.resolve()))
     draft.embed_tokens.to(torch.bfloat16)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 512)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     draft.compile(dynamic=False)
     return _compiled_cross_entropy()
 
@@ -241,8 +257,8 @@ def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None, cross_
     features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
         return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].to(features),
-                        batch["final_hidden"].to(features), batch["loss_mask"], lm_head, ttt_steps, decay, normaliser,
-                        cross_entropy)
+                        batch["final_hidden"].to(features), batch["loss_mask"], batch["positions"], lm_head, ttt_steps,
+                        decay, normaliser, cross_entropy)
 
 
 class _TTTObjective(torch.nn.Module):
@@ -272,26 +288,28 @@ def _global_metrics(result: TTTResult, world: World, device: torch.device) -> tu
 
 @torch.no_grad()
 def _evaluate(recipe: Recipe, lm_head: torch.Tensor, cross_entropy: Callable, world: World) -> dict[str, float]:
-    """Held-out TTT loss and per-step accuracy (weighted by counted positions), and draft-vocab coverage.
-    Over several ranks each takes every world-size-th batch and the sums are added up."""
-    draft, samples, optim, device = recipe.draft, recipe.eval_samples, recipe.optim, recipe.device
-    ttt_steps, batch_size = optim.ttt_steps, optim.batch_size
+    """Held-out TTT loss (the mean over batches, weighted by their samples) and per-step accuracy (weighted by
+    counted positions), and draft-vocab coverage. The held-out samples are packed in their own order; over several
+    ranks each takes every world-size-th batch and the sums are added up."""
+    draft, optim, device = recipe.draft, recipe.optim, recipe.device
+    ttt_steps = optim.ttt_steps
     draft.eval()
     loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
-    for start in range(world.rank * batch_size, len(samples), world.size * batch_size):
-        result = _batch_loss(draft, pad_batch(samples[start : start + batch_size], device), lm_head, ttt_steps,
-                             optim.loss_decay, cross_entropy=cross_entropy)
+    held_out = eval_batches(recipe.eval_samples, optim.packed_length, optim.batch_size)
+    for rows in held_out[world.rank :: world.size]:
+        batch = to_device(assemble(rows, optim.packed_length), device)
+        result = _batch_loss(draft, batch, lm_head, ttt_steps, optim.loss_decay, cross_entropy=cross_entropy)
         for k in range(ttt_steps):
             correct[k] += result.accs[k] * result.counted[k]
             counted[k] += result.counted[k]
             masked[k] += result.masked[k]
-        loss_sum += result.loss.item() * len(samples[start : start + batch_size])
+        loss_sum += result.loss.item() * sum(len(row) for row in rows)
     if world.size > 1:
         sums = distributed.all_reduce_sum([loss_sum, *correct, *counted, *masked], device)
         loss_sum, correct = sums[0], sums[1 : 1 + ttt_steps]
         counted, masked = sums[1 + ttt_steps : 1 + 2 * ttt_steps], sums[1 + 2 * ttt_steps :]
     draft.train()
     metrics = {f"eval/acc_{k}": correct[k] / max(1, counted[k]) for k in range(ttt_steps)}
-    metrics["eval/loss"] = loss_sum / max(1, len(samples))
+    metrics["eval/loss"] = loss_sum / max(1, len(recipe.eval_samples))
     metrics["eval/draft_vocab_coverage"] = counted[0] / max(1, masked[0])
     return metrics
