@@ -152,15 +152,19 @@ def parser() -> argparse.ArgumentParser:
         "bench", help="extraction and training speed vs the machine's limits and a naive baseline (GPU or CPU)",
         description="Build a target and a drafter of the chosen size with random weights, measure the machine's "
                     "ceilings (matrix product, device copy, disk write with fsync), the naive and our extraction "
-                    "pipelines, and drafter training steps at several batch sizes and lengths; print a table and "
+                    "pipelines, drafter training steps at several batch sizes and lengths, and training on data "
+                    "of varying length from process start; print a table and "
                     "write JSON (+ the table as .md). `--size 8b` is the Llama-3.1-8B configuration for one big GPU; "
                     "`tiny` runs anywhere in a minute. Under `torchrun --nproc-per-node N` with `--parts train`: "
                     "data-parallel training at one global batch, tokens/s and the loss of each step against one "
                     "rank alone.")
     bench.add_argument("--size", choices=["tiny", "8b"], default="tiny", help="workload scale (default: %(default)s)")
-    bench.add_argument("--parts", nargs="+", choices=["extract", "extract-split", "train"], default=["extract", "train"],
+    bench.add_argument("--parts", nargs="+", choices=["extract", "extract-split", "train", "train-varlen"],
+                       default=["extract", "train"],
                        help="extract: naive vs ours, by length and batch; extract-split: the target split over "
-                            "the GPUs vs one GPU; train: drafter steps (default: extract train)")
+                            "the GPUs vs one GPU; train: drafter steps, a document a row and packed rows; "
+                            "train-varlen: the train stage's loop on data of varying length from the start of a "
+                            "fresh process, with a cold and a warm compile cache (default: extract train)")
     bench.add_argument("--kernels", nargs="+", choices=["flex", "reference"], default=["flex", "reference"],
                        help="TTT attention kernels to time in training (default: both)")
     bench.add_argument("--train-shapes", nargs="+", type=_batch_by_length, metavar="BxL",

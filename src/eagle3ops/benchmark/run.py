@@ -12,9 +12,13 @@ values). Figures:
 - extraction with the target split layer-wise over the GPUs (`extract-split`, target.device_map "balanced" through
   the real loading code) against the same weights on one GPU: tokens/s, peak memory of each GPU, and the largest
   difference between the hidden states the two placements stored;
-- training: one optimizer step of the TTT loss (modeling/draft.py) at each batch size and length, the first
-  step (compilation included) apart, tokens/s, peak memory, MFU from the step's counted FLOPs; `reference`
-  rows run the explicit TTT attention (scores materialised), `flex` rows the fused kernel;
+- training: one optimizer step of the TTT loss (modeling/draft.py) at each batch size and length (a document a
+  row) and on rows packed with log-normal documents, the first step (compilation included) apart, tokens/s, peak
+  memory, MFU from the step's counted FLOPs; `reference` rows run the explicit TTT attention (scores
+  materialised), `flex` rows the fused kernel;
+- training on data of varying length (`train-varlen`, benchmark/varlen.py): the train stage's loop from the start
+  of a fresh process, with a cold and a warm compile cache; and, on a GPU, the fused step against the reference
+  math on the same device (largest differences of losses and gradients);
 - data-parallel training (under torchrun, `run_data_parallel_bench`): the train stage's loop at one global
   batch on one rank alone, then over all ranks with DDP: tokens/s, scaling, and the loss of every step of both.
 """
@@ -28,7 +32,8 @@ import torch
 from eagle3ops.benchmark.extraction import bench_extraction, bench_split_extraction
 from eagle3ops.benchmark.sizes import SIZES
 from eagle3ops.benchmark.timing import device_name, measure_ceilings
-from eagle3ops.benchmark.training import bench_train, draft_config
+from eagle3ops.benchmark.training import bench_train, compare_with_reference, draft_config, packed_documents
+from eagle3ops.benchmark.varlen import bench_varlen
 
 
 def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple[str, ...] = ("extract", "train"),
@@ -50,20 +55,29 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
     if "train" in parts:
         cfg = draft_config(arch, size.draft_vocab_size)
         shapes = train_shapes or [(b, size.train_seq_len) for b in size.train_batches] + [(1, n) for n in size.long_seq_lens]
+        packed = [(1, n, packed_documents(n, size.varlen_median, size.varlen_sigma)) for n in size.train_packed_lengths]
         rows = []
         for kernel in [k for k in kernels if k == "reference" or device.type == "cuda"]:  # flex trains on GPUs only
-            for batch, length in shapes:
+            for batch, length, documents in [(b, n, None) for b, n in shapes] + packed:
+                label = f"bench train {kernel} batch {batch} x {length}" + (f" ({len(documents)} documents)"
+                                                                             if documents else "")
                 try:
-                    bench = bench_train(cfg, batch, length, size.train_steps, device, kernel)
+                    bench = bench_train(cfg, batch, length, size.train_steps, device, kernel, documents=documents)
                 except torch.OutOfMemoryError:
-                    print(f"bench train {kernel} batch {batch} x {length}: out of memory", flush=True)
+                    print(f"{label}: out of memory", flush=True)
                     torch.cuda.empty_cache()
                     continue
                 row = asdict(bench)
                 row["mfu"] = bench.tflops / peak_tflops
                 rows.append(row)
-                print(f"bench train {kernel} batch {batch} x {length}: {bench.tokens_per_s:,.0f} tok/s", flush=True)
+                print(f"{label}: {bench.tokens_per_s:,.0f} tok/s, first step {bench.first_step_s} s, peak "
+                      f"{bench.peak_gib} GiB (steady {bench.steady_peak_gib})", flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         result["train"] = rows
+    if "train-varlen" in parts:
+        if device.type == "cuda":
+            result["fused_vs_reference"] = compare_with_reference(device)
+            print(f"bench fused step vs reference: {result['fused_vs_reference']}", flush=True)
+        result["train_varlen"] = bench_varlen(size_name, work_dir)
     return result

@@ -25,15 +25,16 @@ def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
                        head_dim=architecture.get("head_dim"), max_position_embeddings=32768)
 
 
-def train_step_flops(cfg: DraftConfig, batch: int, length: int, ttt_steps: int) -> float:
-    """FLOPs of one optimizer step: forward + backward (2x) of the drafter per TTT step, the fc once, and the
-    target's logits (forward only: the full vocabulary for the argmax, the draft rows for the distribution)."""
+def train_step_flops(cfg: DraftConfig, batch: int, documents: list[int], ttt_steps: int) -> float:
+    """FLOPs of one optimizer step on `batch` rows each packed with `documents` (their lengths): forward + backward
+    (2x) of the drafter per TTT step, the fc once, and the target's logits (forward only: the full vocabulary for the
+    argmax, the draft rows for the distribution). Attention counts the causal pairs within each document only."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_width, kv_width = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     per_token = 2 * (2 * H * (q_width + 2 * kv_width) + q_width * H + 3 * H * I + H * cfg.draft_vocab_size)
-    attention = 2 * 2 * q_width * (length / 2)  # causal step-0 scores and values; the diagonal terms are negligible
-    tokens = batch * length
-    drafter = 3 * ttt_steps * tokens * (per_token + attention) + 3 * tokens * 2 * 3 * cfg.target_hidden_size * H
+    tokens = batch * sum(documents)
+    attention = batch * 2 * 2 * q_width * sum(n * n / 2 for n in documents)  # scores and values over causal pairs
+    drafter = 3 * ttt_steps * (tokens * per_token + attention) + 3 * tokens * 2 * 3 * cfg.target_hidden_size * H
     target = tokens * 2 * cfg.target_hidden_size * (cfg.vocab_size + cfg.draft_vocab_size)
     return drafter + target
 
@@ -43,10 +44,12 @@ class TrainBench:
     kernel: str
     batch: int
     length: int
+    documents: int  # a row's: 1 unless packed
     first_step_s: float
     step_ms: float
     tokens_per_s: float
-    peak_gib: float | None
+    peak_gib: float | None  # over the whole run, the first step (compilation) included
+    steady_peak_gib: float | None  # over the timed steps alone
     tflops: float
     losses: list[float] = field(default_factory=list)
 
@@ -62,10 +65,21 @@ def random_drafter(cfg: DraftConfig, seed: int) -> Eagle3Draft:
     return draft
 
 
+def packed_documents(length: int, median: float, sigma: float, seed: int = 0) -> list[int]:
+    """Lengths of log-normal documents (at least 16 tokens) filling a row of `length` exactly: the last one is cut."""
+    generator, lengths = torch.Generator().manual_seed(seed), []
+    while sum(lengths) < length:
+        drawn = torch.empty(1).log_normal_(math.log(median), sigma, generator=generator)
+        lengths.append(max(16, min(int(drawn), length - sum(lengths))))
+    lengths[-1] -= sum(lengths) - length
+    return lengths
+
+
 def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
-                ttt_steps: int = 7, seed: int = 0) -> TrainBench:
-    """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`); bf16 autocast on a GPU
-    with fp32 master weights, as the train stage runs."""
+                ttt_steps: int = 7, seed: int = 0, documents: list[int] | None = None) -> TrainBench:
+    """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`), each row one document or
+    packed with `documents`; bf16 autocast on a GPU with fp32 master weights, as the train stage runs."""
+    documents = documents or [length]
     draft = random_drafter(cfg, seed)
     draft.midlayer.self_attn.kernel = kernel
     cross_entropy = prepare_for_training(draft, device)
@@ -76,7 +90,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     aux = torch.randn(batch, length, 3 * cfg.target_hidden_size, device=device, dtype=features)
     final = torch.randn(batch, length, cfg.target_hidden_size, device=device, dtype=features)
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
-    positions = torch.arange(length, device=device).expand(batch, length)  # a document a row
+    positions = torch.cat([torch.arange(n, device=device) for n in documents]).expand(batch, length)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     losses = []
@@ -97,11 +111,17 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     step()
     sync(device)
     first = time.perf_counter() - start
-    seconds = timed(step, device, repeats=steps, warmup=1)
+    step()  # the optimizer's state exists from here on
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    flops = train_step_flops(cfg, batch, length, ttt_steps)
-    return TrainBench(kernel, batch, length, round(first, 2), round(seconds * 1e3, 1), batch * length / seconds,
-                      round(peak, 2) if peak else None, flops / seconds / 1e12, losses)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(step, device, repeats=steps, warmup=0)
+    steady = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    flops = train_step_flops(cfg, batch, documents, ttt_steps)
+    gib = (lambda value: round(value, 2) if value is not None else None)
+    return TrainBench(kernel, batch, length, len(documents), round(first, 2), round(seconds * 1e3, 1),
+                      batch * length / seconds, gib(max(peak, steady) if peak else None), gib(steady),
+                      flops / seconds / 1e12, losses)
 
 
 def random_features(cfg: DraftConfig, count: int, length: int, distinct: int, seed: int = 0) -> list[dict]:
@@ -164,3 +184,40 @@ def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None
                 "steps": size.data_parallel_steps, "runs": runs,
                 "speedup": together["tokens_per_s"] / alone["tokens_per_s"],
                 "max_loss_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(alone["losses"], together["losses"]))}}
+
+
+def compare_with_reference(device: torch.device) -> dict:
+    """The GPU's fused TTT step against the reference math on the same device, in float32: a small drafter on two
+    rows packed with documents across several of the flex kernel's tiles, the compiled forward and loss (flex
+    attention within documents, the later steps merged through its log-sum-exp) against the eager, explicit ones.
+    Returns the largest relative differences of the per-step losses and of the gradients (norm of the difference over
+    the norm of the reference, per parameter)."""
+    import copy
+
+    from eagle3ops.modeling.draft import soft_cross_entropy
+
+    cfg = DraftConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                      vocab_size=1024, draft_vocab_size=256, target_hidden_size=256, head_dim=32)
+    reference = random_drafter(cfg, seed=0).to(device)
+    reference.midlayer.self_attn.kernel = "reference"
+    fused = copy.deepcopy(reference)
+    fused.midlayer.self_attn.kernel = "flex"
+    fused.compile(dynamic=False)
+    generator = torch.Generator(device).manual_seed(0)
+    rows = [[300, 5, 40, 295], [130, 2, 2, 506]]  # 640 tokens: five tiles of 128
+    T = sum(rows[0])
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=generator, device=device)
+    aux = torch.randn(2, T, 3 * cfg.target_hidden_size, generator=generator, device=device)
+    final = torch.randn(2, T, cfg.target_hidden_size, generator=generator, device=device)
+    mask = (torch.rand(2, T, generator=generator, device=device) > 0.2).long()
+    positions = torch.stack([torch.cat([torch.arange(n, device=device) for n in row]) for row in rows])
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.5
+    results = []
+    for draft, cross_entropy in ((reference, soft_cross_entropy), (fused, torch.compile(soft_cross_entropy))):
+        params = [p for p in draft.parameters() if p.requires_grad]
+        result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, 7, cross_entropy=cross_entropy)
+        results.append((result.losses, torch.autograd.grad(result.loss, params)))
+    (losses, grads), (fused_losses, fused_grads) = results
+    return {"dtype": "float32", "tokens": 2 * T, "documents": sum(len(row) for row in rows),
+            "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(fused_losses, losses)),
+            "grad_max_rel_diff": max(float((a - b).norm() / b.norm()) for a, b in zip(fused_grads, grads))}

@@ -1,0 +1,101 @@
+"""Training on data of varying length, timed from the start of a fresh process: the train stage's own loop
+(training/loop.py, train_drafter: packing, compilation, AdamW, clipping, bf16 autocast on a GPU) over a seeded
+log-normal set of lengths, as real reasoning traces vary. Each run is a new Python process, once with an empty
+compile cache (cold: every graph compiled) and once with the cache the first left (warm: a resumed stage, the next
+experiment). Two epochs: the first is the figure from process start, the second the same data with nothing left
+to compile.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3ops.benchmark.sizes import SIZES, BenchSize
+
+
+def varlen_lengths(size: BenchSize) -> list[int]:
+    """The set's sample lengths: log-normal around `varlen_median`, clipped to `varlen_range`, from `varlen_seed`."""
+    generator = torch.Generator().manual_seed(size.varlen_seed)
+    lengths = torch.empty(size.varlen_samples).log_normal_(math.log(size.varlen_median), size.varlen_sigma,
+                                                           generator=generator)
+    return lengths.round().clamp(*size.varlen_range).int().tolist()
+
+
+def bench_varlen(size_name: str, work_dir: Path) -> dict:
+    """The cold and the warm run, each a fresh process sharing one compile cache under `work_dir`."""
+    cache = work_dir / "compile-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()), "TRITON_CACHE_DIR": str(cache.resolve() / "triton")}
+    runs = []
+    for cache_state in ("cold", "warm"):
+        out = work_dir / f"varlen-{cache_state}.json"
+        out.unlink(missing_ok=True)
+        code = f"from eagle3ops.benchmark.varlen import train_from_process_start; " \
+               f"train_from_process_start({size_name!r}, {str(out)!r})"
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        run = json.loads(out.read_text())
+        runs.append({"compile_cache": cache_state, "process_s": round(time.perf_counter() - started, 1), **run})
+        print(f"bench train-varlen ({cache_state} compile cache): epoch 1 in {run['epoch1_from_start_s']:.1f} s from "
+              f"process start, compiling {run['compile_s']:.1f} s", flush=True)
+    lengths = varlen_lengths(SIZES[size_name]())
+    return {"samples": len(lengths), "tokens": sum(lengths), "median_length": sorted(lengths)[len(lengths) // 2],
+            "shortest": min(lengths), "longest": max(lengths), "runs": runs}
+
+
+def train_from_process_start(size_name: str, out: str) -> None:
+    """In a fresh process: random features of the set's lengths (made on the device, kept on the host as the train
+    stage keeps features), then two epochs of train_drafter; writes the timings, memory and compile figures."""
+    import psutil
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    from eagle3ops.benchmark.training import draft_config, random_drafter
+    from eagle3ops.config import DrafterTrainConfig
+    from eagle3ops.modeling.draft import compute_dtype
+    from eagle3ops.training.loop import Hooks, Recipe, train_drafter
+
+    process_start = psutil.Process().create_time()
+    size = SIZES[size_name]()
+    cfg = draft_config(size.architecture, size.draft_vocab_size)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    features = compute_dtype(device)
+    generator = torch.Generator(device).manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=generator, device=device).int().cpu(),
+                "loss_mask": torch.ones(n, dtype=torch.uint8),
+                "aux_hidden": torch.randn(n, 3 * cfg.target_hidden_size, generator=generator, device=device,
+                                          dtype=features).cpu(),
+                "final_hidden": torch.randn(n, cfg.target_hidden_size, generator=generator, device=device,
+                                            dtype=features).cpu()} for n in varlen_lengths(size)]
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02
+    optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
+                               log_every=1, checkpoint_every=0)
+    stamps: list[tuple[float, int]] = []  # (wall clock, epoch) at the end of each step: logging reads the loss back
+    hooks = Hooks(log=lambda step, row: stamps.append((time.time(), int(row["train/epoch"]))), desc="bench train-varlen")
+    ready = time.time()
+    result, _ = train_drafter(Recipe(random_drafter(cfg, seed=0), samples, [], lm_head, optim, 0, device), hooks)
+    ends = [stamp for stamp, epoch in stamps if epoch == 0]
+    epoch1_steps = len(ends)
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    result_row = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "packed_length": optim.packed_length, "steps_per_epoch": epoch1_steps,
+        "setup_s": round(ready - process_start, 1),  # interpreter, imports, the random features, the drafter
+        "epoch1_from_start_s": round(ends[-1] - process_start, 1),
+        "epoch1_tokens_per_s_from_start": tokens / (ends[-1] - process_start),
+        "first_step_s": round(stamps[0][0] - ready, 1),
+        "compile_s": round(calculate_time_spent().get("total_wall_time", 0.0), 1),  # dynamo's own count
+        "graphs": counters["stats"]["unique_graphs"],
+        "epoch2_tokens_per_s": tokens / (stamps[-1][0] - ends[-1]),
+        "padding_share": 1 - tokens / (epoch1_steps * optim.packed_length),
+        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "losses": [row["train/loss"] for row in result.history],
+    }
+    Path(out).write_text(json.dumps(result_row))
