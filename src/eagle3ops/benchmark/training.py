@@ -13,7 +13,7 @@ from eagle3ops.benchmark.timing import device_name, sync, timed
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, compute_dtype, ttt_loss
 from eagle3ops.training import distributed
-from eagle3ops.training.loop import Hooks, Recipe, prepare_for_training, train_drafter
+from eagle3ops.training.loop import Hooks, MasterWeights, Recipe, prepare_for_training, train_drafter
 
 
 def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
@@ -55,9 +55,11 @@ class TrainBench:
 
 
 def random_drafter(cfg: DraftConfig, seed: int) -> Eagle3Draft:
-    """Random weights and a random draft vocabulary, from `seed`, on the CPU."""
+    """Random weights (the embedding's standing in for a target's) and a random draft vocabulary, from `seed`, on the
+    CPU."""
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
+    draft.embed_tokens.weight.data.normal_(0, 0.02)
     vocab_rows = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
     draft.d2t.copy_(vocab_rows - torch.arange(cfg.draft_vocab_size))
     draft.t2d.zero_()
@@ -78,7 +80,7 @@ def packed_documents(length: int, median: float, sigma: float, seed: int = 0) ->
 def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
                 ttt_steps: int = 7, seed: int = 0, documents: list[int] | None = None) -> TrainBench:
     """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`), each row one document or
-    packed with `documents`; bf16 autocast on a GPU with fp32 master weights, as the train stage runs."""
+    packed with `documents`; on a GPU bf16 weights with float32 masters, as the train stage runs."""
     documents = documents or [length]
     draft = random_drafter(cfg, seed)
     draft.midlayer.self_attn.kernel = kernel
@@ -91,17 +93,19 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     final = torch.randn(batch, length, cfg.target_hidden_size, device=device, dtype=features)
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in documents]).expand(batch, length)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    weights = MasterWeights(draft, features)
+    optimizer = torch.optim.AdamW(weights.masters, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     losses = []
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)  # before the forward, as the train stage does
+    def step() -> None:  # as the train stage's loop takes one
+        weights.release_gradients()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, cross_entropy=cross_entropy)
         result.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        weights.take_gradients()
+        torch.nn.utils.clip_grad_norm_(weights.masters, 0.5)
         optimizer.step()
+        weights.update()
         losses.append(round(result.losses[0], 5))
 
     if device.type == "cuda":

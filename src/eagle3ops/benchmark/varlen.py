@@ -63,6 +63,7 @@ def train_from_process_start(size_name: str, out: str) -> None:
     from eagle3ops.training.loop import Hooks, Recipe, train_drafter
 
     process_start = psutil.Process().create_time()
+    imported = time.time()
     size = SIZES[size_name]()
     cfg = draft_config(size.architecture, size.draft_vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,12 +76,14 @@ def train_from_process_start(size_name: str, out: str) -> None:
                 "final_hidden": torch.randn(n, cfg.target_hidden_size, generator=generator, device=device,
                                             dtype=features).cpu()} for n in varlen_lengths(size)]
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02
+    made_features = time.time()
+    draft = random_drafter(cfg, seed=0)
     optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
                                log_every=1, checkpoint_every=0)
     stamps: list[tuple[float, int]] = []  # (wall clock, epoch) at the end of each step: logging reads the loss back
     hooks = Hooks(log=lambda step, row: stamps.append((time.time(), int(row["train/epoch"]))), desc="bench train-varlen")
     ready = time.time()
-    result, _ = train_drafter(Recipe(random_drafter(cfg, seed=0), samples, [], lm_head, optim, 0, device), hooks)
+    result, _ = train_drafter(Recipe(draft, samples, [], lm_head, optim, 0, device), hooks)
     ends = [stamp for stamp, epoch in stamps if epoch == 0]
     epoch1_steps = len(ends)
     tokens = sum(len(s["input_ids"]) for s in samples)
@@ -88,6 +91,9 @@ def train_from_process_start(size_name: str, out: str) -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "packed_length": optim.packed_length, "steps_per_epoch": epoch1_steps,
         "setup_s": round(ready - process_start, 1),  # interpreter, imports, the random features, the drafter
+        "setup_parts_s": {"interpreter and imports": round(imported - process_start, 1),
+                          "random features": round(made_features - imported, 1),
+                          "drafter": round(ready - made_features, 1)},
         "epoch1_from_start_s": round(ends[-1] - process_start, 1),
         "epoch1_tokens_per_s_from_start": tokens / (ends[-1] - process_start),
         "first_step_s": round(stamps[0][0] - ready, 1),

@@ -153,7 +153,7 @@ class TTTContext:
 
     Step 0's part is attention within each document (the flex kernel with `document_block_mask`, or the explicit
     reference); the own-position keys join it through the log-sum-exp (`add_own_positions`), so no step computes
-    scores for the (k + 1) T^2 pairs of the picture, and every step k >= 2 has the same shapes (one compiled graph).
+    scores for the (k + 1) T^2 pairs of the picture, and every step k >= 1 has the same inputs (one compiled graph).
     """
     documents: torch.Tensor  # [B, T]
     block_mask: object | None  # the flex kernel's (document_block_mask); None: the explicit reference
@@ -173,8 +173,10 @@ class TTTContext:
         else:
             later = (*self.later, (keys, values))
             keys0, values0 = self.keys0, self.values0
-        unused = self.slots - len(later)
-        stack = [torch.stack([kv[i] for kv in later] + [torch.zeros_like(keys)] * unused, dim=2) for i in (0, 1)]
+        # Unused slots repeat step 0's keys and values, masked out: a stack that carries gradients at every step,
+        # so that steps 1..K-1 run one compiled graph (zeros would not, and step 1 would compile its own).
+        filler = (keys0, values0)
+        stack = [torch.stack([kv[i] for kv in later] + [filler[i]] * (self.slots - len(later)), dim=2) for i in (0, 1)]
         used = torch.arange(self.slots, device=keys.device) < len(later)
         return TTTContext(self.documents, self.block_mask, keys0, values0, *stack, used, later, self.slots)
 
@@ -202,21 +204,27 @@ def document_causal_attention(q, keys, values, context: TTTContext) -> tuple[tor
 def add_own_positions(out0, lse0, q, keys, values, context: TTTContext) -> torch.Tensor:
     """Step k >= 1: the softmax over step 0's keys (given as their output out0 [B, nh, T, hd] and log-sum-exp lse0
     [B, nh, T]) widened by the keys of steps 1..k at the query's own position: the earlier steps' from `context`,
-    this step's `keys`/`values` [B, nkv, T, hd]. -> [B, nh, T, hd]. Scores and weights in float32."""
+    this step's `keys`/`values` [B, nkv, T, hd]. -> [B, nh, T, hd].
+
+    One score and one weight per (head, position, step): the weights are normalised first, so that the output is a
+    weighted sum of out0 and the values, and the backward needs nothing larger than the bf16 inputs and those
+    weights. Scores and weights in float32."""
     B, nh, T, hd = q.shape
     nkv = keys.shape[1]
-    scale = 1.0 / math.sqrt(hd)
-    grouped = q.float().view(B, nkv, nh // nkv, T, hd)  # the query heads that share each key head
-    own = (grouped * keys.float()[:, :, None]).sum(-1) * scale  # [B, nkv, g, T]
-    earlier = (grouped[:, :, :, None] * context.earlier_keys.float()[:, :, None]).sum(-1) * scale  # [B, nkv, g, S, T]
-    earlier = earlier.masked_fill(~context.earlier_used[:, None], float("-inf"))
-    lse0 = lse0.view(B, nkv, nh // nkv, T)
-    top = torch.maximum(torch.maximum(lse0, own), earlier.amax(3))  # [B, nkv, g, T]
-    w0, w_own, w_earlier = (lse0 - top).exp(), (own - top).exp(), (earlier - top[:, :, :, None]).exp()
-    total = (w0 + w_own + w_earlier.sum(3))[..., None]
-    mixed = (w0[..., None] * out0.float().view(B, nkv, nh // nkv, T, hd) + w_own[..., None] * values.float()[:, :, None]
-             + (w_earlier[..., None] * context.earlier_values.float()[:, :, None]).sum(3))
-    return (mixed / total).view(B, nh, T, hd).to(q.dtype)
+    grouped = q.view(B, nkv, nh // nkv, T, hd)  # the query heads that share each key head
+
+    def score(key: torch.Tensor) -> torch.Tensor:  # [B, nkv, T, hd] -> [B, nkv, g, T]
+        return (grouped.float() * key.float()[:, :, None]).sum(-1) / math.sqrt(hd)
+
+    slots = context.earlier_keys.shape[2]
+    earlier = [score(context.earlier_keys[:, :, j]).masked_fill(~context.earlier_used[j], float("-inf"))
+               for j in range(slots)]
+    scores = torch.stack([lse0.view(B, nkv, nh // nkv, T), score(keys), *earlier])  # [2 + S, B, nkv, g, T]
+    weights = scores.softmax(0)[..., None]  # [2 + S, B, nkv, g, T, 1]
+    mixed = weights[0] * out0.view(B, nkv, nh // nkv, T, hd) + weights[1] * values[:, :, None]
+    for j in range(slots):
+        mixed = mixed + weights[2 + j] * context.earlier_values[:, :, j, None]
+    return mixed.view(B, nh, T, hd).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -307,8 +315,11 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # The target's embedding, frozen: whoever builds a drafter copies it in, so it starts as zeros rather than
+        # spending seconds on random values nobody uses (a billion of them for Kimi-K2.5).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.zeros(cfg.vocab_size,
+                                                                                             cfg.hidden_size),
+                                         _freeze=True)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -123,11 +123,13 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         raise InputError(f"train.batch_size {optim.batch_size} is the global batch, shared by {world.size} ranks: "
                          f"make it at least {world.size}")
     seed_everything(recipe.seed)
+    if state is not None and state.model is not None:
+        draft.load_state_dict(state.model)  # float32, before training casts the weights
     cross_entropy = prepare_for_training(draft, device)
+    weights = MasterWeights(draft, compute_dtype(device))
     lm_head = recipe.lm_head.to(device, torch.bfloat16 if device.type == "cuda" else recipe.lm_head.dtype)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(weights.masters, lr=optim.lr, betas=tuple(optim.betas),
+                                  weight_decay=optim.weight_decay, fused=device.type == "cuda")
     if recipe.warm_moments is not None and state is None:
         continue_moments(optimizer, recipe.warm_moments)
     batches = schedule(recipe.train_samples, optim.packed_length, optim.batch_size, recipe.seed, optim.epochs)
@@ -136,16 +138,14 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     scheduler = warmup_cosine(optimizer, total_steps, optim.warmup_ratio)
     step, tokens, history = 0, 0, []
     if state is not None:
-        if state.model is not None:
-            draft.load_state_dict(state.model)
         optimizer.load_state_dict(state.optimizer)
         scheduler.load_state_dict(state.scheduler)
         torch.set_rng_state(state.torch_rng)
         step, tokens, history = state.step, state.tokens, state.history
 
-    def now(weights: bool) -> TrainState:
+    def now(with_weights: bool) -> TrainState:
         return TrainState(step, tokens, optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(),
-                          history, draft.state_dict() if weights else None)
+                          history, weights.state_dict() if with_weights else None)
 
     if world.size == 1:
         objective, normaliser = functools.partial(_batch_loss, draft), None
@@ -157,11 +157,13 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     remaining = remaining_batches(batches, step, total_steps)
     for epoch, rows, assembled in assembled_ahead(remaining, world, optim.packed_length, device, depth):
         batch = to_device(assembled, device)
-        optimizer.zero_grad(set_to_none=True)  # now: kept through the forward, they would add to its peak memory
+        weights.release_gradients()  # now: kept through the forward, they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy)
         result.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+        weights.take_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(weights.masters, optim.grad_clip)
         optimizer.step()
+        weights.update()
         scheduler.step()
         step += 1
         tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
@@ -186,14 +188,60 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
             if hooks.log:
                 hooks.log(step, measured)
         if hooks.checkpoint and optim.checkpoint_every and step % optim.checkpoint_every == 0 and step < total_steps:
-            hooks.checkpoint(now(weights=True))
+            hooks.checkpoint(now(with_weights=True))
     progress.close()
     wall = time.perf_counter() - start - probe_s  # throughput counts training, not the simulator
     final = _evaluate(recipe, lm_head, cross_entropy, world) if recipe.eval_samples else {}
     if hooks.log and final:
         hooks.log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
-    return TrainResult(step, tokens, wall, final, history, resumed_at, probe_s), now(weights=False)
+    weights.restore()
+    return TrainResult(step, tokens, wall, final, history, resumed_at, probe_s), now(with_weights=False)
+
+
+class MasterWeights:
+    """The drafter's trainable weights as the optimizer updates them. On a GPU the drafter holds them in bf16 for
+    the step (and so its gradients): the compiled TTT steps then keep no bf16 copy of every weight each for their
+    backward, which autocast over float32 weights costs (the weights' size once per TTT step), and the optimizer
+    updates float32 copies (SpecForge's recipe; the gradients of the K steps add up in bf16). Elsewhere, or in
+    float32, the drafter's own weights are the optimizer's."""
+
+    def __init__(self, draft: Eagle3Draft, dtype: torch.dtype):
+        self.draft = draft
+        self.names = [name for name, p in draft.named_parameters() if p.requires_grad]
+        self.weights = [p for p in draft.parameters() if p.requires_grad]
+        self.masters = self.weights
+        if dtype != torch.float32:
+            self.masters = [p.detach().float().clone() for p in self.weights]
+            for p in self.weights:
+                p.data = p.data.to(dtype)
+
+    def release_gradients(self) -> None:
+        for p in self.weights:
+            p.grad = None
+
+    def take_gradients(self) -> None:
+        """After the backward: the drafter's gradients as the masters' (float32)."""
+        if self.masters is not self.weights:
+            for master, p in zip(self.masters, self.weights):
+                master.grad = p.grad.float() if p.grad is not None else None
+
+    def update(self) -> None:
+        """After the optimizer's step: the drafter's weights from the masters."""
+        if self.masters is not self.weights:
+            with torch.no_grad():
+                torch._foreach_copy_(self.weights, self.masters)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The drafter's state with the trainable weights in float32, the masters': what a resume point keeps."""
+        return {**self.draft.state_dict(), **{name: m.detach() for name, m in zip(self.names, self.masters)}}
+
+    def restore(self) -> None:
+        """The drafter's weights float32 again, the masters' values: the trained drafter as the caller keeps it."""
+        if self.masters is not self.weights:
+            for master, p in zip(self.masters, self.weights):
+                p.data = master.detach()
+                p.grad = None
 
 
 def prepare_for_training(draft: Eagle3Draft, device: torch.device) -> Callable:
@@ -201,14 +249,17 @@ def prepare_for_training(draft: Eagle3Draft, device: torch.device) -> Callable:
 
     On a GPU the drafter's forward (one TTT step: norms, projections with the rotary embedding, the flex-attention
     kernel, SwiGLU, the head) and the step loss (`soft_cross_entropy`) are compiled. Every batch has one shape
-    (rows of train.packed_length) and every TTT step from the third on the same inputs (modeling/draft.py,
-    TTTContext), so the whole run compiles three graphs of the step and one of the loss, in the first step, whatever
-    the lengths of the data; `compile_cache` keeps them for the next process. The frozen embedding (the target's,
-    only looked up) is kept in bf16 as the target keeps it. Elsewhere both run eager: the same math, unfused."""
+    (rows of train.packed_length) and every TTT step after the first the same inputs (modeling/draft.py,
+    TTTContext), so a run compiles two graphs of the step and one of the loss, in its first step, whatever the
+    lengths of the data (and as many again, without gradients, for the held-out evaluation); COMPILE_CACHE_DIR keeps
+    them for the next process. The recompile limit is raised for processes that train several shapes (the bench):
+    past it a graph would fall back to the unfused kernels. The frozen embedding (the target's, only looked up) is
+    kept in bf16 as the target keeps it. Elsewhere both run eager: the same math, unfused."""
     draft.to(device).train()
     if device.type != "cuda":
         return soft_cross_entropy
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR.resolve()))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     draft.embed_tokens.to(torch.bfloat16)
     draft.compile(dynamic=False)
     return _compiled_cross_entropy()

@@ -1,0 +1,94 @@
+"""The training loop's parts: packing samples into rows, assembling them, and the float32 master weights."""
+import pytest
+import torch
+
+from eagle3ops.errors import InputError
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.training.data import OPEN_ROWS, assemble, eval_batches, pack, schedule
+from eagle3ops.training.loop import MasterWeights
+
+
+def samples_of(*lengths: int) -> list[dict]:
+    return [{"input_ids": torch.arange(n) + 100 * i, "loss_mask": torch.ones(n, dtype=torch.uint8),
+             "aux_hidden": torch.full((n, 3), float(i))} for i, n in enumerate(lengths)]
+
+
+def test_packing_keeps_every_sample_whole_once_and_fills_the_rows():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 300, (500,), generator=generator).tolist()
+    order = torch.randperm(500, generator=generator).tolist()
+    rows = pack(lengths, 512, order)
+    assert sorted(i for row in rows for i in row) == list(range(500))
+    assert all(sum(lengths[i] for i in row) <= 512 for row in rows)
+    fill = sum(lengths) / (512 * len(rows))
+    assert fill > 0.95, fill
+    # first fit in the given order: a row's samples keep that order
+    position = {index: n for n, index in enumerate(order)}
+    assert all([position[i] for i in row] == sorted(position[i] for i in row) for row in rows)
+
+
+def test_packing_closes_the_oldest_row_when_too_many_are_open():
+    """Samples that each fill a little over half a row open a row each: rows close, oldest first, before more
+    than OPEN_ROWS are open, so a sample waits at most that many rows for its step."""
+    rows = pack([6] * 20, 10, list(range(20)))
+    assert rows == [[i] for i in range(20)]
+    lengths = [6] * (OPEN_ROWS + 1) + [4]
+    rows = pack(lengths, 10, list(range(len(lengths))))
+    assert rows[0] == [0] and [OPEN_ROWS + 1] in [row[1:] for row in rows]  # the 4 joins a row still open
+
+
+def test_a_sample_longer_than_a_row_is_refused_naming_the_key():
+    with pytest.raises(InputError, match="train.packed_length 8 is shorter than a training sample of 9 tokens"):
+        schedule(samples_of(3, 9), packed_length=8, batch_size=1, seed=0, epochs=1)
+
+
+def test_the_schedule_is_seeded_per_epoch_and_holds_every_sample_each_epoch():
+    samples = samples_of(*range(1, 40))
+    by_epoch = schedule(samples, packed_length=64, batch_size=3, seed=7, epochs=2)
+    again = schedule(samples, packed_length=64, batch_size=3, seed=7, epochs=2)
+    ids = [[[int(s["input_ids"][0]) for s in row] for batch in epoch for row in batch] for epoch in by_epoch]
+    assert ids == [[[int(s["input_ids"][0]) for s in row] for batch in epoch for row in batch] for epoch in again]
+    assert ids[0] != ids[1]
+    assert all(sorted(i for row in epoch for i in row) == sorted(100 * i for i in range(39)) for epoch in ids)
+    assert all(len(batch) == 3 for epoch in by_epoch for batch in epoch[:-1])
+    held_out = eval_batches(samples, 64, 3)  # in their own order
+    assert [int(s["input_ids"][0]) for batch in held_out for row in batch for s in row][:3] == [0, 100, 200]
+
+
+def test_assembled_rows_carry_each_documents_positions_and_a_padded_tail():
+    rows = [samples_of(3, 2), samples_of(4)]
+    batch = assemble(rows, 7)
+    assert batch["positions"].tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 100, 101, 0, 0], [0, 1, 2, 3, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
+    assert batch["aux_hidden"][0, :, 0].tolist() == [0, 0, 0, 1, 1, 0, 0]
+
+
+def test_master_weights_train_bf16_weights_through_float32_copies():
+    """On a GPU the drafter trains in bf16 while the optimizer keeps float32 masters: the drafter's weights follow
+    the masters (rounded), a resume point holds the masters, and the trained drafter comes back in float32."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                    vocab_size=24, draft_vocab_size=24, target_hidden_size=16))
+    before = {name: p.detach().clone() for name, p in draft.named_parameters() if p.requires_grad}
+    weights = MasterWeights(draft, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in weights.weights)
+    assert all(torch.equal(m, before[name]) for name, m in zip(weights.names, weights.masters))
+    optimizer = torch.optim.AdamW(weights.masters, lr=1e-2)
+    for _ in range(3):
+        weights.release_gradients()
+        loss = sum((p.float() ** 2).sum() for p in weights.weights)
+        loss.backward()
+        weights.take_gradients()
+        assert all(m.grad.dtype == torch.float32 for m in weights.masters)
+        optimizer.step()
+        weights.update()
+        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(weights.weights, weights.masters))
+    saved = weights.state_dict()
+    assert all(saved[name].dtype == torch.float32 and torch.equal(saved[name], m)
+               for name, m in zip(weights.names, weights.masters))
+    assert not torch.equal(saved["fc.weight"], before["fc.weight"])
+    weights.restore()
+    assert all(torch.equal(p, m) and p.dtype == torch.float32 for p, m in zip(weights.weights, weights.masters))
+    same = MasterWeights(draft, torch.float32)  # in float32 the drafter's weights are the optimizer's
+    assert all(m is p for m, p in zip(same.masters, same.weights))
