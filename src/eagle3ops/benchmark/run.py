@@ -72,6 +72,7 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
                 rows.append(row)
                 print(f"{label}: {bench.tokens_per_s:,.0f} tok/s, first step {bench.first_step_s} s, peak "
                       f"{bench.peak_gib} GiB (steady {bench.steady_peak_gib})", flush=True)
+                torch._dynamo.reset()  # each row alone: the last row's graphs, and the drafter they hold, let go
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         result["train"] = rows

@@ -51,5 +51,5 @@ SIZES = {
     # 128 x 2048 tokens per extraction point: 8.6 GB written, shards of 2 GiB as the presets size them.
     "8b": lambda: BenchSize(_preset_architecture("llama-3.1-8b.json"), 32000, 2048, 128, 8, [1024, 2048, 4096, 8192],
                             16384, [1, 2, 4, 8, 16], 65536, [1, 2, 4], 2048, [4096, 8192, 16384], 8, 8192, 4 << 30,
-                            train_packed_lengths=[2048, 8192, 16384]),
+                            train_packed_lengths=[8192, 16384]),
 }

@@ -75,7 +75,7 @@ def train_from_process_start(size_name: str, out: str) -> None:
                                           dtype=features).cpu(),
                 "final_hidden": torch.randn(n, cfg.target_hidden_size, generator=generator, device=device,
                                             dtype=features).cpu()} for n in varlen_lengths(size)]
-    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02).to(features)
     made_features = time.time()
     draft = random_drafter(cfg, seed=0)
     optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
