@@ -151,7 +151,9 @@ def test_remap_reheads_with_old_rows_for_shared_tokens_and_target_rows_for_new_o
         assert torch.equal(warm.draft.lm_head.weight[row].detach(), expected), token
     assert warm.draft.cfg.draft_vocab_size == 100
     feature = warm.draft.fuse(torch.zeros(1, 5, 3 * HIDDEN))
-    _, logits = warm.draft(torch.zeros(1, 5, dtype=torch.long), feature, torch.arange(5)[None], [])
+    positions = torch.arange(5)[None]
+    _, logits, _, _ = warm.draft(torch.zeros(1, 5, dtype=torch.long), feature, positions,
+                                 warm.draft.ttt_context(positions, 1))
     assert logits.shape == (1, 5, 100)
 
 
