@@ -177,11 +177,11 @@ def plot(results: list[dict], path: Path) -> None:
         series["SpecForge (reference)"] = [{"batch": b, "length": n, "tokens_per_s": v[0]}
                                            for (b, n), v in REFERENCE["specforge_train"].items()]
     base = batch_sweep_length(rows)
-    for name, points in series.items():
+    for colour, (name, points) in enumerate(series.items()):
         longs = sorted((r["length"], r["tokens_per_s"]) for r in points if r["batch"] == 1)
         batches = sorted((r["batch"], r["tokens_per_s"]) for r in points if r["length"] == base)
-        by_length.plot(*zip(*longs), marker="o", label=name) if longs else None
-        by_batch.plot(*zip(*batches), marker="o", label=name) if batches else None
+        by_length.plot(*zip(*longs), marker="o", label=name, color=f"C{colour}") if longs else None
+        by_batch.plot(*zip(*batches), marker="o", label=name, color=f"C{colour}") if batches else None
     lengths = sorted({r["length"] for points in series.values() for r in points if r["batch"] == 1})
     by_length.set(xscale="log", xlabel="sequence length (batch 1)", ylabel="training tokens/s", ylim=(0, None))
     by_length.set_xticks(lengths, [str(n) for n in lengths])
@@ -189,6 +189,43 @@ def plot(results: list[dict], path: Path) -> None:
     by_batch.set(xlabel=f"batch size (length {base})", ylabel="training tokens/s", ylim=(0, None))
     by_length.legend()
     figure.suptitle(f"Drafter training speed on {results[0]['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_varlen(result: dict, path: Path) -> None:
+    """Seconds from process start to the end of the first epoch on data of varying length, cold and warm compile
+    cache, split into setup, the first step (compiling) and the other steps; SpecForge's reference beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    varlen = result["train_varlen"]
+    bars = [(f"eagle3ops, {run['compile_cache']} compile cache", run["setup_s"], run["first_step_s"],
+             run["epoch1_from_start_s"] - run["setup_s"] - run["first_step_s"]) for run in varlen["runs"]]
+    reference = REFERENCE["specforge_varlen"] if result["size"] == "8b" else None
+    figure, axis = plt.subplots(figsize=(9, 1.6 + 0.6 * (len(bars) + bool(reference))))
+    names = [name for name, *_ in bars]
+    for name, *parts in bars:
+        left = 0.0
+        for part, (label, colour) in zip(parts, (("setup", "C7"), ("first step (compiling)", "C1"), ("other steps", "C0"))):
+            axis.barh(name, part, left=left, color=colour, label=label if name == names[0] else None)
+            left += part
+        axis.text(left + 0.5, name, f"{left:.0f} s", va="center")
+    if reference:
+        name = "SpecForge (reference)"
+        axis.barh(name, reference["compile_s"], color="C3", label="compiling (SpecForge)")
+        axis.barh(name, reference["epoch_s"] - reference["compile_s"], left=reference["compile_s"], color="C2",
+                  label="the rest (SpecForge)")
+        axis.text(reference["epoch_s"] + 0.5, name, f"{reference['epoch_s']:.0f} s", va="center")
+    axis.invert_yaxis()
+    longest = max([sum(parts) for _, *parts in bars] + ([reference["epoch_s"]] if reference else []))
+    axis.set_xlim(0, longest * 1.1)
+    axis.set_xlabel(f"seconds from process start to the end of epoch 1 ({varlen['samples']} samples, "
+                    f"{varlen['tokens']:,} tokens of varying length)")
+    axis.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -239,3 +276,5 @@ def write_result(result: dict, out: Path) -> None:
         plot([result], out.with_suffix(".png"))
     if result.get("extract"):
         plot_extraction(result, out.with_name(out.stem + "-extract.png"))
+    if result.get("train_varlen"):
+        plot_varlen(result, out.with_name(out.stem + "-start.png"))
