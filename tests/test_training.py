@@ -92,3 +92,19 @@ def test_master_weights_train_bf16_weights_through_float32_copies():
     assert all(torch.equal(p, m) and p.dtype == torch.float32 for p, m in zip(weights.weights, weights.masters))
     same = MasterWeights(draft, torch.float32)  # in float32 the drafter's weights are the optimizer's
     assert all(m is p for m, p in zip(same.masters, same.weights))
+
+
+def test_a_run_reports_the_padded_share_of_its_rows():
+    from eagle3ops.config import DrafterTrainConfig
+    from eagle3ops.training.loop import Recipe, train_drafter
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                    vocab_size=24, draft_vocab_size=24, target_hidden_size=16))
+    draft.t2d.fill_(True)
+    samples = [{"input_ids": torch.randint(0, 24, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
+                "aux_hidden": torch.randn(n, 48), "final_hidden": torch.randn(n, 16)} for n in (9, 7, 12, 5, 10)]
+    optim = DrafterTrainConfig(epochs=2, batch_size=2, packed_length=16, ttt_steps=2, checkpoint_every=0)
+    result, _ = train_drafter(Recipe(draft, samples, [], torch.randn(24, 16), optim, 0, torch.device("cpu")))
+    rows = sum(len(batch) for epoch in schedule(samples, 16, 2, 0, 2) for batch in epoch)
+    assert result.tokens == 2 * 43 and result.padding_share == pytest.approx(1 - 86 / (rows * 16))

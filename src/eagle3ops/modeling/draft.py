@@ -159,7 +159,8 @@ class TTTContext:
     block_mask: object | None  # the flex kernel's (document_block_mask); None: the explicit reference
     keys0: torch.Tensor | None = None  # [B, nkv, T, hd] step 0's keys and values; None during step 0
     values0: torch.Tensor | None = None
-    earlier_keys: torch.Tensor | None = None  # [B, nkv, S, T, hd] steps 1..k-1 in S = max(1, K - 2) slots
+    earlier_keys: torch.Tensor | None = None  # [B, nkv, S, T, hd] steps 1..k-1 in S = max(1, K - 2) slots, the rest
+    # repeating step 0's (masked)
     earlier_values: torch.Tensor | None = None
     earlier_used: torch.Tensor | None = None  # [S] bool: the slots step k reads
     later: tuple = ()  # ((keys, values), ...) of steps 1..k-1, from which the slots are stacked
@@ -207,8 +208,8 @@ def add_own_positions(out0, lse0, q, keys, values, context: TTTContext) -> torch
     this step's `keys`/`values` [B, nkv, T, hd]. -> [B, nh, T, hd].
 
     One score and one weight per (head, position, step): the weights are normalised first, so that the output is a
-    weighted sum of out0 and the values, and the backward needs nothing larger than the bf16 inputs and those
-    weights. Scores and weights in float32."""
+    weighted sum of out0 and the values, and the backward keeps little beyond the bf16 inputs and those weights
+    (no float32 copy of the queries or of the sum). Scores and weights in float32."""
     B, nh, T, hd = q.shape
     nkv = keys.shape[1]
     grouped = q.view(B, nkv, nh // nkv, T, hd)  # the query heads that share each key head

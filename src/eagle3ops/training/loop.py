@@ -98,6 +98,7 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_at: tuple[int, int] = (0, 0)  # (step, tokens) this process started from
     probe_s: float = 0.0
+    padding_share: float = 0.0  # of the packed rows' tokens this process trained on: their padded tails
 
     @property
     def steps_per_s(self) -> float:
@@ -151,7 +152,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         objective, normaliser = functools.partial(_batch_loss, draft), None
     else:
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
-    start, resumed_at, probe_s = time.perf_counter(), (step, tokens), 0.0
+    start, resumed_at, probe_s, row_tokens = time.perf_counter(), (step, tokens), 0.0, 0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
     depth = ASSEMBLED_AHEAD if device.type == "cuda" else 0
     remaining = remaining_batches(batches, step, total_steps)
@@ -167,6 +168,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         scheduler.step()
         step += 1
         tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
+        row_tokens += len(rows) * optim.packed_length
         progress.update(1)
         if step % optim.log_every == 0 or step == total_steps:
             loss_value, losses, accs = _global_metrics(result, world, device)
@@ -196,7 +198,8 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         hooks.log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
     weights.restore()
-    return TrainResult(step, tokens, wall, final, history, resumed_at, probe_s), now(with_weights=False)
+    padding = 1 - (tokens - resumed_at[1]) / row_tokens if row_tokens else 0.0
+    return TrainResult(step, tokens, wall, final, history, resumed_at, probe_s, padding), now(with_weights=False)
 
 
 class MasterWeights:
