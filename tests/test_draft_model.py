@@ -12,6 +12,7 @@ from eagle3ops.modeling.draft import (
     DraftConfig,
     Eagle3Draft,
     KVCache,
+    repeat_kv,
     rotary,
     shift_left,
     target_distribution,
@@ -77,8 +78,9 @@ def test_ttt_attention_matches_dense_masked_attention(heads, kv_heads):
             out, keys, values = attn.forward_ttt(xs[k], cos, sin, context)
             context, kvs = context.after(keys, values), kvs + [(keys, values)]
             q, _, _ = attn._qkv(xs[k], cos, sin)
-            all_keys = torch.cat([attn._expand(kv[0]) for kv in kvs], dim=2)  # [B, nh, (k+1)T, hd]
-            all_values = torch.cat([attn._expand(kv[1]) for kv in kvs], dim=2)
+            group = heads // kv_heads
+            all_keys = torch.cat([repeat_kv(kv[0], group) for kv in kvs], dim=2)  # [B, nh, (k+1)T, hd]
+            all_values = torch.cat([repeat_kv(kv[1], group) for kv in kvs], dim=2)
             dense = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=ttt_mask(positions, k))
             expected = attn.o_proj(dense.transpose(1, 2).reshape(B, T, -1))
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -210,21 +212,26 @@ def random_positions(T: int, documents: int, generator: torch.Generator) -> torc
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
-def test_flex_attention_within_documents_equals_the_reference(heads, kv_heads):
-    """The GPU kernel's call (block mask, grouped heads, log-sum-exp), run unfused on the CPU, against the explicit
-    scores: the output and the log-sum-exp that merges the later steps."""
-    from eagle3ops.modeling.draft import TTTContext, document_block_mask, document_causal_attention, document_ids
+def test_the_fused_ttt_attention_equals_the_reference_at_every_step(heads, kv_heads):
+    """The GPU's path (flex within documents, grouped heads, later steps merged through the log-sum-exp), run
+    unfused on the CPU, against the explicit softmax over every key, at steps 0 to 5 of rows packed across tiles."""
+    from eagle3ops.modeling.draft import document_block_mask, document_ids
 
     generator = torch.Generator().manual_seed(0)
-    T, hd = 300, 8
-    positions = torch.cat([random_positions(T, 5, generator), random_positions(T, 2, generator)])
-    documents = document_ids(positions)
-    q = torch.randn(2, heads, T, hd, generator=generator)
-    keys, values = (torch.randn(2, kv_heads, T, hd, generator=generator) for _ in range(2))
-    flex = document_causal_attention(q, keys, values, TTTContext(documents, document_block_mask(documents)))
-    reference = document_causal_attention(q, keys, values, TTTContext(documents, None))
-    for a, b in zip(flex, reference):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    draft = make_draft(heads=heads, kv_heads=kv_heads)
+    attn = draft.midlayer.self_attn
+    positions = torch.cat([random_positions(300, 5, generator), random_positions(300, 2, generator)])
+    B, T = positions.shape
+    cos, sin = rotary(positions, attn.hd, 10000.0)
+    fused = draft.ttt_context(positions, 6)
+    fused.block_mask = document_block_mask(document_ids(positions))
+    reference = draft.ttt_context(positions, 6)
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(B, T, 2 * H, generator=generator)
+            (out, keys, values), (expected, _, _) = (attn.forward_ttt(x, cos, sin, c) for c in (fused, reference))
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+            fused, reference = fused.after(keys, values), reference.after(keys, values)
 
 
 def test_document_block_mask_reads_every_visible_pair_and_skips_the_rest():

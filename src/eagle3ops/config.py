@@ -133,8 +133,8 @@ class DrafterTrainConfig(Section):
     (TTT): `ttt_steps` draft steps, each step's loss weighted by loss_decay**k."""
     epochs: int = 1
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
-    batch_size: int = 1  # packed rows a step: the global batch, shared by the ranks
-    packed_length: int = 768  # tokens a packed row: whole samples one after another, the tail padded
+    batch_size: int = 2  # packed rows a step: the global batch, shared by the ranks
+    packed_length: int = 384  # tokens a packed row: whole samples one after another, the tail padded
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0

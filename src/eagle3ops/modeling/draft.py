@@ -13,6 +13,7 @@ Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` check
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -92,6 +93,12 @@ class KVCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
+def repeat_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head for the `group` query heads that share it.
+    [B, nkv, L, hd] -> [B, nkv * group, L, hd]."""
+    return kv.repeat_interleave(group, dim=1)
+
+
 BLOCK = 128  # the flex kernel's tile: its block mask lists, per tile of queries, the tiles of keys to read
 
 
@@ -151,9 +158,10 @@ class TTTContext:
                3   . . . x .    . . . x .    . . . x .
                4   . . . x x    . . . . x    . . . . x
 
-    Step 0's part is attention within each document (the flex kernel with `document_block_mask`, or the explicit
-    reference); the own-position keys join it through the log-sum-exp (`add_own_positions`), so no step computes
-    scores for the (k + 1) T^2 pairs of the picture, and every step k >= 1 has the same inputs (one compiled graph).
+    On a GPU step 0's part is the flex kernel within each document (`document_block_mask`) and the own-position keys
+    join it through its log-sum-exp (`add_own_positions`), so no step computes scores for the (k + 1) T^2 pairs of
+    the picture; elsewhere `ttt_attention_reference` computes the picture's scores outright. Every step k >= 1 has
+    the same inputs: one compiled graph.
     """
     documents: torch.Tensor  # [B, T]
     block_mask: object | None  # the flex kernel's (document_block_mask); None: the explicit reference
@@ -182,24 +190,42 @@ class TTTContext:
         return TTTContext(self.documents, self.block_mask, keys0, values0, *stack, used, later, self.slots)
 
 
-def document_causal_attention(q, keys, values, context: TTTContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query over the keys of its document up to itself: q [B, nh, T, hd], keys/values [B, nkv, T, hd]
-    -> out [B, nh, T, hd], log-sum-exp of its scores [B, nh, T] (float32). One fused flex kernel with the block
-    mask, or the explicit scores (the reference the tests hold the kernel to)."""
-    if context.block_mask is not None:
-        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+def document_causal_attention(q, keys, values, block_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0's part on a GPU, one fused flex kernel: each query over the keys of its document up to itself.
+    q [B, nh, T, hd], keys/values [B, nkv, T, hd] -> out [B, nh, T, hd], log-sum-exp of its scores [B, nh, T]."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-        out, aux = flex_attention(q, keys, values, block_mask=context.block_mask, enable_gqa=q.shape[1] != keys.shape[1],
-                                  return_aux=AuxRequest(lse=True))
-        return out, aux.lse
-    T, group = q.shape[2], q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    out, aux = flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=q.shape[1] != keys.shape[1],
+                              return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def ttt_attention_reference(q, keys, values, context: TTTContext) -> torch.Tensor:
+    """The TTT attention written out, one softmax over every key the step sees: step 0's keys of the query's
+    document up to it (scores [B, nh, T, T], masked) and, from step 1 on, the keys of steps 1..k at the query's own
+    position (the used slots of `context` and this step's). q [B, nh, T, hd], this step's keys and values
+    [B, nkv, T, hd] -> [B, nh, T, hd]. What a CPU trains with, and what the tests hold the fused kernel to."""
+    B, nh, T, hd = q.shape
+    group, scale = nh // keys.shape[1], 1.0 / math.sqrt(hd)
+    expand = functools.partial(repeat_kv, group=group)
+
+    keys0, values0 = (keys, values) if context.keys0 is None else (context.keys0, context.values0)
     documents = context.documents
     visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() & (documents[:, :, None] == documents[:, None])
-    scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, nh, T, T]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    lse = scores.logsumexp(-1)
-    return ((scores - lse[..., None]).exp() @ values.float()).to(q.dtype), lse
+    scores = (q @ expand(keys0).transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))  # [B,nh,T,T]
+    own_scores, own_values = [], []  # [B, nh, T, 1] and [B, nh, T, hd] of each key at the query's own position
+    if context.keys0 is not None:
+        for j in range(context.earlier_keys.shape[2]):
+            score = (q * expand(context.earlier_keys[:, :, j])).sum(-1, keepdim=True) * scale
+            own_scores.append(score.masked_fill(~context.earlier_used[j], float("-inf")))
+            own_values.append(expand(context.earlier_values[:, :, j]))
+        own_scores.append((q * expand(keys)).sum(-1, keepdim=True) * scale)
+        own_values.append(expand(values))
+    weights = torch.cat([scores, *own_scores], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nh, T, T + k]
+    out = weights[..., :T] @ expand(values0)
+    for j, value in enumerate(own_values):
+        out = out + weights[..., T + j : T + j + 1] * value
+    return out
 
 
 def add_own_positions(out0, lse0, q, keys, values, context: TTTContext) -> torch.Tensor:
@@ -248,18 +274,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
-        return kv.repeat_interleave(self.nh // self.nkv, dim=1)  # [B, nkv, ., hd] -> [B, nh, ., hd]
-
     def forward_ttt(self, x, cos, sin, context: TTTContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One TTT step (TTTContext draws the mask). x [B, T, 2H] -> (out [B, T, H], this step's keys and values
         [B, nkv, T, hd])."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        if context.keys0 is None:  # step 0: attention within each document
-            out, _ = document_causal_attention(q, k, v, context)
+        if context.block_mask is None:
+            out = ttt_attention_reference(q, k, v, context)
+        elif context.keys0 is None:  # step 0: attention within each document
+            out, _ = document_causal_attention(q, k, v, context.block_mask)
         else:
-            out0, lse0 = document_causal_attention(q, context.keys0, context.values0, context)
+            out0, lse0 = document_causal_attention(q, context.keys0, context.values0, context.block_mask)
             out = add_own_positions(out0, lse0, q, k, v, context)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), k, v
 
@@ -270,7 +295,8 @@ class Attention(nn.Module):
         past = cache.length
         keys, values = cache.append(k, v)
         causal = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        out = F.scaled_dot_product_attention(q, self._expand(keys), self._expand(values), attn_mask=causal)
+        group = self.nh // self.nkv
+        out = F.scaled_dot_product_attention(q, repeat_kv(keys, group), repeat_kv(values, group), attn_mask=causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.nh * self.hd))
 
 
