@@ -50,6 +50,7 @@ def drafter(seed):
     torch.manual_seed(seed)
     draft = Eagle3Draft(DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                     vocab_size=V, draft_vocab_size=V // 2, target_hidden_size=H, aux_layers=[1, 2, 3]))
+    draft.embed_tokens.weight.data.normal_()  # the target's, as a train stage copies it in: the tokens count
     chosen = torch.arange(0, V, 2)  # half the target's tokens: each rank counts its own number of positions
     draft.d2t.copy_(chosen - torch.arange(V // 2))
     draft.t2d.zero_()
@@ -162,9 +163,11 @@ def test_batches_assembled_ahead_by_a_thread_are_those_assembled_inline():
     by_epoch = schedule(samples, packed_length=12, batch_size=2, seed=0, epochs=2)
     total = sum(len(epoch) for epoch in by_epoch)
     for world in (World(), World(1, 2)):
-        inline, threaded = (list(assembled_ahead(remaining_batches(by_epoch, 1, total), world, 12, torch.device("cpu"),
-                                                 depth)) for depth in (0, 2))
+        rows_per_rank = -(-2 // world.size)
+        inline, threaded = (list(assembled_ahead(remaining_batches(by_epoch, 1, total), world, 12, rows_per_rank,
+                                                 torch.device("cpu"), depth)) for depth in (0, 2))
         assert len(threaded) == len(inline) == total - 1
+        assert all(rows["input_ids"].shape == (rows_per_rank, 12) for _, _, rows in inline)  # a short batch filled
         for (epoch, batch, rows), (epoch_t, batch_t, rows_t) in zip(inline, threaded):
             assert epoch == epoch_t and batch == batch_t
             assert rows.keys() == rows_t.keys() and all(torch.equal(rows[k], rows_t[k]) for k in rows)

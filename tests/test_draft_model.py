@@ -236,15 +236,17 @@ def test_the_fused_ttt_attention_equals_the_reference_at_every_step(heads, kv_he
 
 def test_document_block_mask_reads_every_visible_pair_and_skips_the_rest():
     """The tiles the flex kernel reads: every pair a query sees lies in a listed tile, a tile read whole holds only
-    visible pairs, and a tile with none is skipped (long documents over several tiles, short ones within one)."""
+    visible pairs, and a tile with none is skipped (long documents over several tiles, short ones within one, and
+    a last tile the row fills only in part)."""
     from eagle3ops.modeling.draft import BLOCK, document_block_mask, document_ids
 
-    positions = torch.cat([positions_of(300, 5, 40, 295), positions_of(130, 2, 2, 506)])  # rows of 640
+    positions = torch.cat([positions_of(300, 5, 40, 255), positions_of(130, 2, 2, 466)])  # rows of 600: 4.7 tiles
     documents = document_ids(positions)
     mask = document_block_mask(documents)
     T = positions.shape[1]
-    tiles = T // BLOCK
-    visible = torch.ones(T, T, dtype=torch.bool).tril() & (documents[:, :, None] == documents[:, None])
+    tiles = -(-T // BLOCK)
+    visible = F.pad(torch.ones(T, T, dtype=torch.bool).tril() & (documents[:, :, None] == documents[:, None]),
+                    (0, tiles * BLOCK - T, 0, tiles * BLOCK - T))  # nothing past the row's end is seen
     pairs = visible.view(2, tiles, BLOCK, tiles, BLOCK).transpose(2, 3)  # [B, q tile, kv tile, BLOCK, BLOCK]
 
     def listed(counts, indices):  # [B, q tile, kv tile] bool

@@ -33,6 +33,7 @@ torch.manual_seed(0)
 V, H = 48, 32
 draft = Eagle3Draft(DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                 vocab_size=V, draft_vocab_size=V, target_hidden_size=H, aux_layers=[1, 2, 3]))
+draft.embed_tokens.weight.data.normal_()  # the target's, as a train stage copies it in: the tokens count
 draft.d2t.zero_()
 draft.t2d.fill_(True)
 samples = [{"input_ids": torch.randint(0, V, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),

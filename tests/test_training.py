@@ -38,7 +38,7 @@ def test_packing_closes_the_oldest_row_when_too_many_are_open():
 
 
 def test_a_sample_longer_than_a_row_is_refused_naming_the_key():
-    with pytest.raises(InputError, match="train.packed_length 8 is shorter than a training sample of 9 tokens"):
+    with pytest.raises(InputError, match="train.packed_length 8 is shorter than a sample of 9 tokens"):
         schedule(samples_of(3, 9), packed_length=8, batch_size=1, seed=0, epochs=1)
 
 
@@ -56,11 +56,12 @@ def test_the_schedule_is_seeded_per_epoch_and_holds_every_sample_each_epoch():
 
 
 def test_assembled_rows_carry_each_documents_positions_and_a_padded_tail():
+    """A short batch (the last of an epoch) is filled with rows of padding to the shape of the others."""
     rows = [samples_of(3, 2), samples_of(4)]
-    batch = assemble(rows, 7)
-    assert batch["positions"].tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
-    assert batch["input_ids"].tolist() == [[0, 1, 2, 100, 101, 0, 0], [0, 1, 2, 3, 0, 0, 0]]
-    assert batch["loss_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
+    batch = assemble(rows, 7, row_count=3)
+    assert batch["positions"].tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2], list(range(7))]
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 100, 101, 0, 0], [0, 1, 2, 3, 0, 0, 0], [0] * 7]
+    assert batch["loss_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0], [0] * 7]
     assert batch["aux_hidden"][0, :, 0].tolist() == [0, 0, 0, 1, 1, 0, 0]
 
 
@@ -81,9 +82,11 @@ def test_master_weights_train_bf16_weights_through_float32_copies():
         loss.backward()
         weights.take_gradients()
         assert all(m.grad.dtype == torch.float32 for m in weights.masters)
+        assert all(p.grad is None for p in weights.weights)  # the bf16 gradients let go at once
         optimizer.step()
         weights.update()
         assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(weights.weights, weights.masters))
+        assert all(m.grad is None for m in weights.masters)  # nothing held into the next forward
     saved = weights.state_dict()
     assert all(saved[name].dtype == torch.float32 and torch.equal(saved[name], m)
                for name, m in zip(weights.names, weights.masters))
@@ -92,6 +95,23 @@ def test_master_weights_train_bf16_weights_through_float32_copies():
     assert all(torch.equal(p, m) and p.dtype == torch.float32 for p, m in zip(weights.weights, weights.masters))
     same = MasterWeights(draft, torch.float32)  # in float32 the drafter's weights are the optimizer's
     assert all(m is p for m, p in zip(same.masters, same.weights))
+
+
+def test_a_held_out_sample_longer_than_a_row_stops_the_run_before_its_first_step():
+    from eagle3ops.config import DrafterTrainConfig
+    from eagle3ops.training.loop import Recipe, train_drafter
+
+    draft = Eagle3Draft(DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                    vocab_size=24, draft_vocab_size=24, target_hidden_size=16))
+    fuse = draft.fuse
+    steps = []
+    draft.fuse = lambda aux: steps.append(1) or fuse(aux)
+    samples = [{"input_ids": torch.randint(0, 24, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
+                "aux_hidden": torch.randn(n, 48), "final_hidden": torch.randn(n, 16)} for n in (9, 7, 30)]
+    optim = DrafterTrainConfig(epochs=1, batch_size=1, packed_length=16, ttt_steps=2, checkpoint_every=0)
+    with pytest.raises(InputError, match="train.packed_length 16 is shorter than a sample of 30 tokens"):
+        train_drafter(Recipe(draft, samples[:2], samples[2:], torch.randn(24, 16), optim, 0, torch.device("cpu")))
+    assert not steps
 
 
 def test_a_run_reports_the_padded_share_of_its_rows():

@@ -191,9 +191,10 @@ def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None
 
 
 def compare_with_reference(device: torch.device) -> dict:
-    """The GPU's fused TTT step against the reference math on the same device, in float32: a small drafter on two
-    rows packed with documents across several of the flex kernel's tiles, the compiled forward and loss (flex
-    attention within documents, the later steps merged through its log-sum-exp) against the eager, explicit ones.
+    """The GPU's fused TTT step against the reference math on the same device, the drafter in float32 (the target's
+    distribution, the same for both, in bf16): a small drafter on two rows packed with documents across several of
+    the flex kernel's tiles, the compiled forward and loss (flex attention within documents, the later steps merged
+    through its log-sum-exp) against the eager, explicit ones.
     Returns the largest relative differences of the per-step losses and of the gradients (norm of the difference over
     the norm of the reference, per parameter)."""
     import copy

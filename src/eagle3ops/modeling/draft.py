@@ -124,7 +124,7 @@ def document_block_mask(documents: torch.Tensor):
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    B, T = documents.shape
+    T = documents.shape[1]
     tiles = -(-T // BLOCK)
     padded = F.pad(documents, (0, tiles * BLOCK - T), value=int(documents.max()) + 1)  # [B, tiles * BLOCK]
     first, last = padded[:, ::BLOCK], padded[:, BLOCK - 1 :: BLOCK]  # [B, tiles]
@@ -171,23 +171,24 @@ class TTTContext:
     # repeating step 0's (masked)
     earlier_values: torch.Tensor | None = None
     earlier_used: torch.Tensor | None = None  # [S] bool: the slots step k reads
-    later: tuple = ()  # ((keys, values), ...) of steps 1..k-1, from which the slots are stacked
+    earlier: tuple = ()  # ((keys, values), ...) of steps 1..k-1, from which the slots are stacked
     slots: int = 1
 
     def after(self, keys: torch.Tensor, values: torch.Tensor) -> TTTContext:
         """The context of the next step: this step's keys and values [B, nkv, T, hd] added."""
         if self.keys0 is None:
-            later = ()
+            earlier = ()
             keys0, values0 = keys, values
         else:
-            later = (*self.later, (keys, values))
+            earlier = (*self.earlier, (keys, values))
             keys0, values0 = self.keys0, self.values0
         # Unused slots repeat step 0's keys and values, masked out: a stack that carries gradients at every step,
         # so that steps 1..K-1 run one compiled graph (zeros would not, and step 1 would compile its own).
         filler = (keys0, values0)
-        stack = [torch.stack([kv[i] for kv in later] + [filler[i]] * (self.slots - len(later)), dim=2) for i in (0, 1)]
-        used = torch.arange(self.slots, device=keys.device) < len(later)
-        return TTTContext(self.documents, self.block_mask, keys0, values0, *stack, used, later, self.slots)
+        stack = [torch.stack([kv[i] for kv in earlier] + [filler[i]] * (self.slots - len(earlier)), dim=2)
+                 for i in (0, 1)]
+        used = torch.arange(self.slots, device=keys.device) < len(earlier)
+        return TTTContext(self.documents, self.block_mask, keys0, values0, *stack, used, earlier, self.slots)
 
 
 def document_causal_attention(q, keys, values, block_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +206,7 @@ def ttt_attention_reference(q, keys, values, context: TTTContext) -> torch.Tenso
     document up to it (scores [B, nh, T, T], masked) and, from step 1 on, the keys of steps 1..k at the query's own
     position (the used slots of `context` and this step's). q [B, nh, T, hd], this step's keys and values
     [B, nkv, T, hd] -> [B, nh, T, hd]. What a CPU trains with, and what the tests hold the fused kernel to."""
-    B, nh, T, hd = q.shape
+    nh, T, hd = q.shape[1:]
     group, scale = nh // keys.shape[1], 1.0 / math.sqrt(hd)
     expand = functools.partial(repeat_kv, group=group)
 
@@ -234,8 +235,8 @@ def add_own_positions(out0, lse0, q, keys, values, context: TTTContext) -> torch
     this step's `keys`/`values` [B, nkv, T, hd]. -> [B, nh, T, hd].
 
     One score and one weight per (head, position, step): the weights are normalised first, so that the output is a
-    weighted sum of out0 and the values, and the backward keeps little beyond the bf16 inputs and those weights
-    (no float32 copy of the queries or of the sum). Scores and weights in float32."""
+    weighted sum of out0 and the values, and the compiled backward keeps little beyond the bf16 inputs and those
+    weights (no float32 copy of the queries or of the sum). Scores and weights in float32."""
     B, nh, T, hd = q.shape
     nkv = keys.shape[1]
     grouped = q.view(B, nkv, nh // nkv, T, hd)  # the query heads that share each key head

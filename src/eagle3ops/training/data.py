@@ -2,7 +2,7 @@
 rows of `train.packed_length` tokens in a seeded order, and assembled into batches of such rows.
 
 Packing keeps every step at one shape, so a GPU compiles the step once whatever the lengths of the data, and
-wastes no compute on padding: only a row's tail is padded. Each row carries each document's own positions (from 0),
+computes little padding: only a row's tail, and the empty rows that fill a short last batch to its shape. Each row carries each document's own positions (from 0),
 which is how the TTT loss (modeling/draft.py) tells the documents apart. Samples are shuffled per epoch by a
 generator seeded from (seed, epoch), so a run resumed from its training state sees the same rows. Under torchrun
 every rank walks the same global batches of `train.batch_size` rows and takes its share.
@@ -32,7 +32,7 @@ def pack(lengths: list[int], capacity: int, order: list[int]) -> list[list[int]]
     for index in order:
         length = lengths[index]
         if length > capacity:
-            raise InputError(f"train.packed_length {capacity} is shorter than a training sample of {length} tokens: "
+            raise InputError(f"train.packed_length {capacity} is shorter than a sample of {length} tokens: "
                              f"raise it to at least the longest sample (prepare's data.max_len)")
         row = next((row for row in open_rows if row[0] >= length), None)
         if row is None:
@@ -80,14 +80,16 @@ def eval_batches(samples: list[dict], packed_length: int, batch_size: int) -> li
     return [rows[start : start + batch_size] for start in range(0, len(rows), batch_size)]
 
 
-def assemble(rows: list[list[dict]], packed_length: int, pin: bool = False) -> dict[str, torch.Tensor]:
-    """Packed rows (lists of samples {name: [T_i, ...]}) -> {name: [rows, packed_length, ...]} and `positions`, each
-    document's own from 0. A row's tail is padding: zeros, loss_mask 0, positions 0, 1, ... of a document of its
-    own. `pin`: in pinned host memory, whose copy to a GPU does not block."""
+def assemble(rows: list[list[dict]], packed_length: int, row_count: int, pin: bool = False) -> dict[str, torch.Tensor]:
+    """Packed rows (lists of samples {name: [T_i, ...]}) -> {name: [row_count, packed_length, ...]} and `positions`,
+    each document's own from 0. A row's tail is padding: zeros, loss_mask 0, positions 0, 1, ... of a document of
+    its own; rows past the given ones are padding whole, so that a short last batch keeps the shape compiled for
+    the others. `pin`: in pinned host memory, whose copy to a GPU does not block."""
     first = rows[0][0]
-    batch = {name: torch.zeros((len(rows), packed_length, *first[name].shape[1:]), dtype=first[name].dtype,
+    rows = rows + [[]] * (row_count - len(rows))
+    batch = {name: torch.zeros((row_count, packed_length, *first[name].shape[1:]), dtype=first[name].dtype,
                                pin_memory=pin) for name in first}
-    batch["positions"] = torch.zeros((len(rows), packed_length), dtype=torch.int64, pin_memory=pin)
+    batch["positions"] = torch.zeros((row_count, packed_length), dtype=torch.int64, pin_memory=pin)
     for r, row in enumerate(rows):
         start = 0
         for sample in row:
@@ -108,13 +110,13 @@ ASSEMBLED_AHEAD = 2  # batches a thread assembles ahead for a GPU; none on a CPU
 # step's for the same cores (2x slower)
 
 
-def assembled_ahead(items: Iterator[tuple[int, list]], world: World, packed_length: int, device: torch.device,
-                    depth: int) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
-    """(epoch, global batch, this rank's share assembled on the host), in order. With `depth` > 0 a thread assembles
-    that many batches ahead: the device does not wait for the CPU to copy the next rows together (hundreds of MB of
-    hidden states at real sizes)."""
+def assembled_ahead(items: Iterator[tuple[int, list]], world: World, packed_length: int, rows_per_rank: int,
+                    device: torch.device, depth: int) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
+    """(epoch, global batch, this rank's share assembled on the host as `rows_per_rank` rows), in order. With
+    `depth` > 0 a thread assembles that many batches ahead: the device does not wait for the CPU to copy the next
+    rows together (hundreds of MB of hidden states at real sizes)."""
     def assembled(batch: list) -> dict[str, torch.Tensor]:
-        return assemble(rank_share(batch, world), packed_length, pin=device.type == "cuda")
+        return assemble(rank_share(batch, world), packed_length, rows_per_rank, pin=device.type == "cuda")
 
     if depth == 0:
         yield from ((epoch, batch, assembled(batch)) for epoch, batch in items)
@@ -124,11 +126,11 @@ def assembled_ahead(items: Iterator[tuple[int, list]], world: World, packed_leng
         for epoch, batch in items:
             ahead.append((epoch, batch, pool.submit(assembled, batch)))
             if len(ahead) > depth:
-                epoch, batch, rows = ahead.popleft()
-                yield epoch, batch, rows.result()
+                epoch, batch, future = ahead.popleft()
+                yield epoch, batch, future.result()
         while ahead:
-            epoch, batch, rows = ahead.popleft()
-            yield epoch, batch, rows.result()
+            epoch, batch, future = ahead.popleft()
+            yield epoch, batch, future.result()
 
 
 def rank_share(batch: list[list[dict]], world: World) -> list[list[dict]]:

@@ -96,6 +96,13 @@ def global_normaliser(world: World) -> Callable[[torch.Tensor], torch.Tensor]:
     return normaliser
 
 
+def broadcast_from_main(tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values, in place, on every rank of the group (nothing without one)."""
+    if dist.is_available() and dist.is_initialized():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0)
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Element-wise sums over the ranks (float64, on `device`: NCCL reduces GPU tensors only)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)

@@ -116,7 +116,9 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     Over several ranks every rank walks the same global batches of `optim.batch_size` packed rows and trains on its
     share; DDP averages the gradients, and each TTT step's loss is normalised by the positions counted over the
     whole global batch, so losses, optimizer steps and weights are those of one process with that batch size,
-    up to float rounding. Every rank returns the same result.
+    up to rounding (on GPUs the gradients are averaged in bf16). Every rank returns the same result. The held-out
+    evaluation at the end, and the probe while training, see the drafter as it trains (bf16 on a GPU); the drafter
+    left in `recipe.draft` has the float32 weights.
     """
     draft, optim, device = recipe.draft, recipe.optim, recipe.device
     world = recipe.world or distributed.current()
@@ -133,7 +135,9 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
                                   weight_decay=optim.weight_decay, fused=device.type == "cuda")
     if recipe.warm_moments is not None and state is None:
         continue_moments(optimizer, recipe.warm_moments)
+    # packed before the first step, so a sample longer than a row stops the run here, not after hours
     batches = schedule(recipe.train_samples, optim.packed_length, optim.batch_size, recipe.seed, optim.epochs)
+    held_out = eval_batches(recipe.eval_samples, optim.packed_length, optim.batch_size)
     total_steps = sum(len(epoch) for epoch in batches)
     total_steps = min(total_steps, optim.max_steps) if optim.max_steps is not None else total_steps
     scheduler = warmup_cosine(optimizer, total_steps, optim.warmup_ratio)
@@ -152,13 +156,15 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         objective, normaliser = functools.partial(_batch_loss, draft), None
     else:
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
+        distributed.broadcast_from_main(weights.masters)  # DDP broadcasts the drafter's weights, not the masters
     start, resumed_at, probe_s, row_tokens = time.perf_counter(), (step, tokens), 0.0, 0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
     depth = ASSEMBLED_AHEAD if device.type == "cuda" else 0
     remaining = remaining_batches(batches, step, total_steps)
-    for epoch, rows, assembled in assembled_ahead(remaining, world, optim.packed_length, device, depth):
+    rows_per_rank = math.ceil(optim.batch_size / world.size)
+    for epoch, rows, assembled in assembled_ahead(remaining, world, optim.packed_length, rows_per_rank, device, depth):
         batch = to_device(assembled, device)
-        weights.release_gradients()  # now: kept through the forward, they would add to its peak memory
+        weights.release_gradients()  # none kept through the forward, where they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy)
         result.loss.backward()
         weights.take_gradients()
@@ -193,7 +199,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
             hooks.checkpoint(now(with_weights=True))
     progress.close()
     wall = time.perf_counter() - start - probe_s  # throughput counts training, not the simulator
-    final = _evaluate(recipe, lm_head, cross_entropy, world) if recipe.eval_samples else {}
+    final = _evaluate(recipe, held_out, lm_head, cross_entropy, world) if held_out else {}
     if hooks.log and final:
         hooks.log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
@@ -224,16 +230,19 @@ class MasterWeights:
             p.grad = None
 
     def take_gradients(self) -> None:
-        """After the backward: the drafter's gradients as the masters' (float32)."""
+        """After the backward: the drafter's gradients become the masters' (float32) and leave the drafter."""
         if self.masters is not self.weights:
             for master, p in zip(self.masters, self.weights):
                 master.grad = p.grad.float() if p.grad is not None else None
+                p.grad = None
 
     def update(self) -> None:
-        """After the optimizer's step: the drafter's weights from the masters."""
+        """After the optimizer's step: the drafter's weights from the masters, whose gradients are let go."""
         if self.masters is not self.weights:
             with torch.no_grad():
                 torch._foreach_copy_(self.weights, self.masters)
+            for master in self.masters:
+                master.grad = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The drafter's state with the trainable weights in float32, the masters': what a resume point keeps."""
@@ -341,17 +350,17 @@ def _global_metrics(result: TTTResult, world: World, device: torch.device) -> tu
 
 
 @torch.no_grad()
-def _evaluate(recipe: Recipe, lm_head: torch.Tensor, cross_entropy: Callable, world: World) -> dict[str, float]:
+def _evaluate(recipe: Recipe, held_out: list, lm_head: torch.Tensor, cross_entropy: Callable, world: World
+              ) -> dict[str, float]:
     """Held-out TTT loss (the mean over batches, weighted by their samples) and per-step accuracy (weighted by
-    counted positions), and draft-vocab coverage. The held-out samples are packed in their own order; over several
-    ranks each takes every world-size-th batch and the sums are added up."""
+    counted positions), and draft-vocab coverage, over `held_out` (data.eval_batches: the held-out samples packed in
+    their own order). Over several ranks each takes every world-size-th batch and the sums are added up."""
     draft, optim, device = recipe.draft, recipe.optim, recipe.device
     ttt_steps = optim.ttt_steps
     draft.eval()
     loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
-    held_out = eval_batches(recipe.eval_samples, optim.packed_length, optim.batch_size)
     for rows in held_out[world.rank :: world.size]:
-        batch = to_device(assemble(rows, optim.packed_length), device)
+        batch = to_device(assemble(rows, optim.packed_length, optim.batch_size), device)
         result = _batch_loss(draft, batch, lm_head, ttt_steps, optim.loss_decay, cross_entropy=cross_entropy)
         for k in range(ttt_steps):
             correct[k] += result.accs[k] * result.counted[k]
