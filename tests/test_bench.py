@@ -29,8 +29,10 @@ def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
     assert [run["placement"] for run in split["runs"]] == ["one_device", "split"]
     assert split["max_abs_difference"] == {"aux_hidden": 0.0, "final_hidden": 0.0}
     assert not list((tmp_path / "work").glob("split-*")), "the saved target and the shards are removed"
-    [train] = result["train"]
-    assert (train["batch"], train["length"], train["kernel"]) == (1, 64, "reference") and train["tokens_per_s"] > 0
+    alone, packed = result["train"]  # the shape asked for, a document a row; then the size's packed row
+    assert (alone["batch"], alone["length"], alone["kernel"], alone["documents"]) == (1, 64, "reference", 1)
+    assert (packed["batch"], packed["length"]) == (1, 512) and packed["documents"] > 1
+    assert alone["tokens_per_s"] > 0 and packed["tokens_per_s"] > 0
 
     out = tmp_path / "tiny.json"
     write_result(result, out)
@@ -46,3 +48,26 @@ def test_batch_panel_uses_the_length_measured_at_most_batch_sizes():
     shapes = [(1, 1024), (1, 2048), (2, 2048), (4, 2048), (1, 4096), (1, 8192)]
     assert batch_sweep_length([{"batch": b, "length": n} for b, n in shapes]) == 2048
     assert batch_sweep_length([{"batch": 1, "length": 512}, {"batch": 1, "length": 256}]) == 256
+
+
+def test_tiny_bench_trains_data_of_varying_length_from_fresh_processes(tmp_path):
+    """Two fresh processes (an empty compile cache, then the one it left) train two epochs of the seeded set with
+    the train stage's loop: their figures hold together, and the same data give the same losses."""
+    from eagle3ops.benchmark.varlen import varlen_lengths
+
+    result = run_bench("tiny", torch.device("cpu"), tmp_path / "work", parts=("train-varlen",))
+    varlen = result["train_varlen"]
+    lengths = varlen_lengths(SIZES["tiny"]())
+    assert (varlen["samples"], varlen["tokens"]) == (len(lengths), sum(lengths))
+    cold, warm = varlen["runs"]
+    assert (cold["compile_cache"], warm["compile_cache"]) == ("cold", "warm")
+    for run in (cold, warm):
+        steps = run["steps_per_epoch"]
+        assert steps >= sum(lengths) / run["packed_length"] and len(run["losses"]) == 2 * steps
+        assert run["padding_share"] == 1 - sum(lengths) / (steps * run["packed_length"])
+        assert run["process_s"] >= run["epoch1_from_start_s"] > run["setup_s"] > 0
+    assert cold["losses"] == warm["losses"]
+    out = tmp_path / "varlen.json"
+    write_result(result, out)
+    assert "from process start" in out.with_suffix(".md").read_text()
+    assert (tmp_path / "varlen-start.png").stat().st_size > 0
