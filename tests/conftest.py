@@ -133,7 +133,7 @@ MICRO = [
     "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
     "zoo.drafter_conversations=64", "zoo.predecessor_training.steps=40", "zoo.successor_training.steps=20",
     "zoo.drafter_training.epochs=1", "zoo.drafter_training.max_steps=8", "generate.max_new_tokens=48",
-    "train.epochs=1", "train.max_steps=12", "train.log_every=4", "eval.max_new_tokens=24",
+    "train.epochs=1", "train.max_steps=12", "train.log_every=2", "eval.max_new_tokens=24",
 ]
 
 
