@@ -55,7 +55,8 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
     if "train" in parts:
         cfg = draft_config(arch, size.draft_vocab_size)
         shapes = train_shapes or [(b, size.train_seq_len) for b in size.train_batches] + [(1, n) for n in size.long_seq_lens]
-        packed = [(1, n, packed_documents(n, size.varlen_median, size.varlen_sigma)) for n in size.train_packed_lengths]
+        packed = [(1, n, packed_documents(n, size.varlen_median, size.varlen_sigma))
+                  for n in size.train_packed_lengths]
         rows = []
         for kernel in [k for k in kernels if k == "reference" or device.type == "cuda"]:  # flex trains on GPUs only
             for batch, length, documents in [(b, n, None) for b, n in shapes] + packed:

@@ -102,10 +102,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, cross_entropy=cross_entropy)
         result.loss.backward()
-        weights.take_gradients()
-        torch.nn.utils.clip_grad_norm_(weights.masters, 0.5)
-        optimizer.step()
-        weights.update()
+        weights.step(optimizer, 0.5)
         losses.append(round(result.losses[0], 5))
 
     if device.type == "cuda":

@@ -33,7 +33,8 @@ def bench_varlen(size_name: str, work_dir: Path) -> dict:
     """The cold and the warm run, each a fresh process sharing one compile cache under `work_dir`."""
     cache = work_dir / "compile-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()), "TRITON_CACHE_DIR": str(cache.resolve() / "triton")}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()),
+           "TRITON_CACHE_DIR": str(cache.resolve() / "triton")}
     runs = []
     for cache_state in ("cold", "warm"):
         out = work_dir / f"varlen-{cache_state}.json"
@@ -75,13 +76,15 @@ def train_from_process_start(size_name: str, out: str) -> None:
                                           dtype=features).cpu(),
                 "final_hidden": torch.randn(n, cfg.target_hidden_size, generator=generator, device=device,
                                             dtype=features).cpu()} for n in varlen_lengths(size)]
-    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02).to(features)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02
+    lm_head = lm_head.to(features)  # as the train stage passes the target's head
     made_features = time.time()
     draft = random_drafter(cfg, seed=0)
     optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
                                log_every=1, checkpoint_every=0)
     stamps: list[tuple[float, int]] = []  # (wall clock, epoch) at the end of each step: logging reads the loss back
-    hooks = Hooks(log=lambda step, row: stamps.append((time.time(), int(row["train/epoch"]))), desc="bench train-varlen")
+    hooks = Hooks(log=lambda step, row: stamps.append((time.time(), int(row["train/epoch"]))),
+                  desc="bench train-varlen")
     ready = time.time()
     result, _ = train_drafter(Recipe(draft, samples, [], lm_head, optim, 0, device), hooks)
     ends = [stamp for stamp, epoch in stamps if epoch == 0]

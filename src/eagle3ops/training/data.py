@@ -2,8 +2,9 @@
 rows of `train.packed_length` tokens in a seeded order, and assembled into batches of such rows.
 
 Packing keeps every step at one shape, so a GPU compiles the step once whatever the lengths of the data, and
-computes little padding: only a row's tail, and the empty rows that fill a short last batch to its shape. Each row carries each document's own positions (from 0),
-which is how the TTT loss (modeling/draft.py) tells the documents apart. Samples are shuffled per epoch by a
+computes little padding: only a row's tail, and the empty rows that fill a short last batch to its shape. Each
+row carries each document's own positions (from 0), which is how the TTT loss (modeling/draft.py) tells the
+documents apart. Samples are shuffled per epoch by a
 generator seeded from (seed, epoch), so a run resumed from its training state sees the same rows. Under torchrun
 every rank walks the same global batches of `train.batch_size` rows and takes its share.
 """
@@ -47,12 +48,19 @@ def pack(lengths: list[int], capacity: int, order: list[int]) -> list[list[int]]
     return rows + [row[1] for row in open_rows]
 
 
-def epoch_batches(samples: list[dict], packed_length: int, batch_size: int, seed: int, epoch: int
-                  ) -> list[list[list[dict]]]:
-    """One epoch's global batches: `batch_size` packed rows each (the last may have fewer), a row a list of samples."""
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+def packed_batches(samples: list[dict], packed_length: int, batch_size: int, order: list[int]
+                   ) -> list[list[list[dict]]]:
+    """The samples packed in `order`, in batches of `batch_size` rows (the last may have fewer), a row a list of
+    samples."""
     rows = [[samples[i] for i in row] for row in pack([len(s["input_ids"]) for s in samples], packed_length, order)]
     return [rows[start : start + batch_size] for start in range(0, len(rows), batch_size)]
+
+
+def epoch_batches(samples: list[dict], packed_length: int, batch_size: int, seed: int, epoch: int
+                  ) -> list[list[list[dict]]]:
+    """One epoch's global batches, the samples in an order seeded from (seed, epoch)."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    return packed_batches(samples, packed_length, batch_size, order)
 
 
 def schedule(samples: list[dict], packed_length: int, batch_size: int, seed: int, epochs: int
@@ -75,9 +83,7 @@ def remaining_batches(batches_by_epoch: list[list], done_steps: int, total_steps
 
 def eval_batches(samples: list[dict], packed_length: int, batch_size: int) -> list[list[list[dict]]]:
     """The held-out samples packed in their own order, in batches of `batch_size` rows."""
-    rows = [[samples[i] for i in row] for row in pack([len(s["input_ids"]) for s in samples], packed_length,
-                                                       list(range(len(samples))))]
-    return [rows[start : start + batch_size] for start in range(0, len(rows), batch_size)]
+    return packed_batches(samples, packed_length, batch_size, list(range(len(samples))))
 
 
 def assemble(rows: list[list[dict]], packed_length: int, row_count: int, pin: bool = False) -> dict[str, torch.Tensor]:

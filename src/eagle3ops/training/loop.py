@@ -4,7 +4,8 @@
                                   Hooks(log=..., checkpoint=...), state)
 
 Each optimizer step: the TTT loss of modeling/draft.py on one batch of packed rows (training/data.py), its
-gradients, clipping, AdamW, and the learning rate's linear warmup then cosine decay. The compile policy is the loop's (`prepare_for_training`).
+gradients, clipping, AdamW, and the learning rate's linear warmup then cosine decay. The compile policy is the
+loop's (`prepare_for_training`).
 Under torchrun the ranks share each global batch (training/distributed.py); the result is the single process's.
 A TrainState passed back continues the run exactly: the same batches, optimizer, scheduler and RNG, so the
 weights end as those of an uninterrupted run.
@@ -167,10 +168,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         weights.release_gradients()  # none kept through the forward, where they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy)
         result.loss.backward()
-        weights.take_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(weights.masters, optim.grad_clip)
-        optimizer.step()
-        weights.update()
+        grad_norm = weights.step(optimizer, optim.grad_clip)
         scheduler.step()
         step += 1
         tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
@@ -243,6 +241,15 @@ class MasterWeights:
                 torch._foreach_copy_(self.weights, self.masters)
             for master in self.masters:
                 master.grad = None
+
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """After the backward, the optimizer's step: the gradients taken to the masters and clipped to `max_norm`,
+        the masters updated, the drafter's weights from them. Returns the gradient norm before clipping."""
+        self.take_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, max_norm)
+        optimizer.step()
+        self.update()
+        return grad_norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The drafter's state with the trainable weights in float32, the masters': what a resume point keeps."""
