@@ -277,8 +277,10 @@ def test_tokenizer_that_does_not_belong_to_the_target(workdir, capsys, tiny_targ
     assert rc == 1 and "vocab_size is 100" in err and str(target) in err
 
 
-def test_nan_hidden_states_are_skipped_then_fatal(workdir, capsys, tiny_target_dir):
-    """A poisoned embedding row gives NaN states to the samples that use that token."""
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3"])
+def test_nan_hidden_states_are_skipped_then_fatal(workdir, capsys, tiny_target_dir, dtype):
+    """A poisoned embedding row gives NaN states to the samples that use that token, stored in full precision or
+    in FP8 (where the NaN shows in the token's scale)."""
     target = workdir / "target"
     shutil.copytree(tiny_target_dir, target)
     weights = load_file(str(target / "model.safetensors"))
@@ -293,7 +295,7 @@ def test_nan_hidden_states_are_skipped_then_fatal(workdir, capsys, tiny_target_d
     write_jsonl(workdir / CONVERSATIONS, chats)
     base = {"target": {"path": str(target), "aux_layers": [1, 2, 3]}, "data": {"draft_vocab_size": 32, "eval_fraction": 0.0},
             "mlflow": {"system_metrics": False, "registered_model": None}}
-    params = write_params(workdir, {**base, "extract": {"max_nonfinite_fraction": 0.2}})
+    params = write_params(workdir, {**base, "extract": {"max_nonfinite_fraction": 0.2, "dtype": dtype}})
     assert run_cli("prepare", params, capsys)[0] == 0
     rc, err = run_cli("extract", params, capsys)
     assert rc == 0, err
@@ -301,7 +303,7 @@ def test_nan_hidden_states_are_skipped_then_fatal(workdir, capsys, tiny_target_d
     assert metrics["skipped_nonfinite"] == 1 and metrics["samples"] == 9
 
     shutil.rmtree(workdir / "data" / "features")
-    params = write_params(workdir, {**base, "extract": {"max_nonfinite_fraction": 0.0}})
+    params = write_params(workdir, {**base, "extract": {"max_nonfinite_fraction": 0.0, "dtype": dtype}})
     rc, err = run_cli("extract", params, capsys)
     assert rc == 1 and "NaN/inf" in err and "c3" in err and "max_nonfinite_fraction" in err
     assert not (workdir / "data" / "features").exists()

@@ -45,6 +45,7 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 
 
 DType = choices("DType", "float32", "bfloat16", "float16")
+FeatureDType = choices("FeatureDType", "float32", "bfloat16", "float16", "float8_e4m3")  # data/hidden_states.py
 GenerateBackend = choices("GenerateBackend", "hf", "openai", "none")
 ExtractBackend = choices("ExtractBackend", "hf", "import")
 ImportFormat = choices("ImportFormat", "speculators", "specforge")
@@ -279,7 +280,8 @@ class ExtractConfig(Section):
     batch_size: int = 16
     # The tiny default: 4 shards, 120 MB in all; at scale aim for 1-4 GB a shard (docs/team.md)
     samples_per_shard: int = 512
-    dtype: DType = DType.float32
+    # float8_e4m3: half of bf16's bytes, a scale per token and layer (data/hidden_states.py; docs/team.md, "Disk")
+    dtype: FeatureDType = FeatureDType.float32
     max_nonfinite_fraction: float = 0.01  # samples with NaN/inf states are skipped; above this share, fail
     backend: ExtractBackend = ExtractBackend.hf  # hf: run the target here; import: a serving engine's output
     # backend import: the speculators / SpecForge output directory (extraction/imported.py). A DVC dep of extract:

@@ -44,7 +44,8 @@ def sha256_file(path: Path) -> str:
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+                      torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def write_safetensors(path: Path, columns: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> str:

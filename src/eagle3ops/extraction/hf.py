@@ -2,7 +2,8 @@
 
 Per sample the shard holds input_ids [T], loss_mask [T], aux_hidden [T, 3H] (the three configured layers,
 low to high) and final_hidden [T, H] (after the target's final norm; training gets the target's logits from
-it with the target's lm_head, so no [T, V] logits are stored).
+it with the target's lm_head, so no [T, V] logits are stored), in extract.dtype (data/hidden_states.py: in FP8
+with their scales, quantised on the device before the copy to the host).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3ops.data.hidden_states import encode, finite_positions
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
-from eagle3ops.modeling.target import DTYPES, capture, model_text_config
+from eagle3ops.modeling.target import capture, model_text_config
 from eagle3ops.progress import progress
 
 
@@ -50,7 +52,6 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
     shard by another. At most `QUEUED_BATCHES` batches wait, so host memory stays bounded by two shards (one
     filling, one being written) plus those batches; when the disk is the slower side, the forward waits."""
     device = model.device
-    store_dtype = DTYPES[dtype]
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
     samples_per_shard = math.ceil(samples_per_shard / batch_size) * batch_size
     writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable, background=True,
@@ -77,12 +78,13 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                 padded = min(lengths) < ids.shape[1]  # without padding, no mask: the plain causal kernel
                 model(input_ids=ids.to(device, non_blocking=True),
                       attention_mask=mask_on_device.long() if padded else None, use_cache=False, logits_to_keep=1)
-                aux, final = hooks.aux().to(store_dtype), hooks.final().to(store_dtype)  # [B, T, 3H], [B, T, H]
-                finite = (aux.isfinite().all(-1) & final.isfinite().all(-1) | ~mask_on_device).all(-1)  # [B]
-                # Only the real positions travel, packed sample after sample: [sum(lengths), 3H] and [.., H].
-                packed_aux = aux.flatten(0, 1).index_select(0, positions)
-                packed_final = final.flatten(0, 1).index_select(0, positions)
-                sink.put(rows, lengths, ids, _to_host(packed_aux), _to_host(packed_final), _to_host(finite))
+                states = {**encode("aux_hidden", hooks.aux(), len(aux_layers), dtype),  # [B, T, 3H]
+                          **encode("final_hidden", hooks.final(), 1, dtype)}  # [B, T, H] (and FP8's scales)
+                finite = (finite_positions(states) | ~mask_on_device).all(-1)  # [B]
+                # Only the real positions travel, packed sample after sample: [sum(lengths), ...].
+                packed = {name: _to_host(tensor.flatten(0, 1).index_select(0, positions))
+                          for name, tensor in states.items()}
+                sink.put(rows, lengths, ids, packed, _to_host(finite))
                 tokens += sum(lengths)
                 bar.update(len(rows))
         forwards_done = time.perf_counter()
@@ -136,8 +138,8 @@ class _BatchWriter:
                 except BaseException as err:  # handed to the caller's thread
                     self.error = err
 
-    def _write(self, rows, lengths, ids, aux, final, finite) -> None:
-        for copied in (aux, final, finite):
+    def _write(self, rows, lengths, ids, states, finite) -> None:
+        for copied in (*states.values(), finite):
             if copied[1] is not None:
                 copied[1].synchronize()
         offset = 0
@@ -155,7 +157,7 @@ class _BatchWriter:
                 self.writer.add(sample["id"], {
                     "input_ids": ids[r, :n].to(torch.int32),
                     "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.uint8),
-                    "aux_hidden": aux[0][offset : offset + n], "final_hidden": final[0][offset : offset + n]})
+                    **{name: host[offset : offset + n] for name, (host, _) in states.items()}})
             offset += n
 
     def _raise(self) -> None:

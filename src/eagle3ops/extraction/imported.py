@@ -39,13 +39,14 @@ import torch
 from safetensors import safe_open
 
 from eagle3ops.config import TargetConfig
+from eagle3ops.data.hidden_states import encode, finite_positions
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import ExtractResult, NonFiniteError
 from eagle3ops.formats.conventions import from_hf
 from eagle3ops.fs import write_json_atomic
-from eagle3ops.modeling.target import DTYPES, TargetError, resolve_aux_layers, text_config, weight_locations
+from eagle3ops.modeling.target import TargetError, resolve_aux_layers, text_config, weight_locations
 from eagle3ops.progress import progress
 
 SPLITS = ("train", "eval")
@@ -381,11 +382,11 @@ def import_features(source: SpeculatorsFiles | SpecForgeFiles, plan: SplitPlan, 
                     samples_per_shard: int, dtype: str = "float32", meta: dict | None = None, desc: str = "import",
                     resumable: bool = False, max_nonfinite_fraction: float = 0.01) -> ExtractResult:
     """Write one split's planned samples as extract_features would: input_ids int32, loss_mask uint8, aux_hidden
-    [T, 3H] and final_hidden [T, H] in `dtype`, in ShardWriter shards with the same manifest fields. Samples with
+    [T, 3H] and final_hidden [T, H] in `dtype` (data/hidden_states.py), in ShardWriter shards with the same manifest fields. Samples with
     NaN/inf states are skipped and counted. With `resumable`, a rerun continues after the last complete shard;
     the ids skipped for NaN/inf are kept beside the partial directory so the rerun starts at the same file."""
     out_dir = Path(out_dir)
-    store_dtype, layout = DTYPES[dtype], source.layout
+    layout = source.layout
     writer = ShardWriter(out_dir, samples_per_shard, resumable=resumable,
                          meta={**(meta or {}), "aux_layers": layout.aux_layers, "hidden_size": layout.hidden_size,
                                "dtype": dtype})
@@ -403,10 +404,11 @@ def import_features(source: SpeculatorsFiles | SpecForgeFiles, plan: SplitPlan, 
         with progress(len(plan.items), desc, "sample", initial=start) as bar:
             for item in plan.items[start:]:
                 ids, aux, final = source.states(item.path)
-                aux, final = aux[: item.length].to(store_dtype), final[: item.length].to(store_dtype)
+                states = {**encode("aux_hidden", aux[: item.length], 3, dtype),
+                          **encode("final_hidden", final[: item.length], 1, dtype)}
                 tokens += item.length
                 bar.update(1)
-                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+                if not finite_positions(states).all():
                     nonfinite.append(item.sample_id)  # poison for training: skip and count
                     if len(nonfinite) + len(plan.missing) > allowed:
                         raise NonFiniteError(
@@ -418,7 +420,7 @@ def import_features(source: SpeculatorsFiles | SpecForgeFiles, plan: SplitPlan, 
                     continue
                 writer.add(item.sample_id, {
                     "input_ids": ids[: item.length].to(torch.int32), "loss_mask": item.loss_mask,
-                    "aux_hidden": aux.contiguous(), "final_hidden": final.contiguous()})
+                    **{name: tensor.contiguous() for name, tensor in states.items()}})
         manifest = writer.close()
         skipped_file.unlink(missing_ok=True)
     except BaseException:

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from eagle3ops.data.shards import iter_samples, read_manifest
+from eagle3ops.data.hidden_states import STORED, expected_columns
+from eagle3ops.data.shards import MANIFEST, iter_samples, read_manifest
 from eagle3ops.errors import InputError
-from eagle3ops.modeling.target import DTYPES
 from eagle3ops.training import distributed
 from eagle3ops.training.distributed import World
 
@@ -169,10 +169,12 @@ def load_feature_samples(directory, hidden_size: int | None = None) -> list[dict
     """All samples of a hidden-state shard directory, in memory, each checked against the manifest (and the
     target's hidden size) before any training starts: a wrong file fails here, naming itself, not hours later."""
     manifest = read_manifest(directory)
-    hidden, dtype = manifest["hidden_size"], DTYPES[manifest["dtype"]]
+    hidden = manifest["hidden_size"]
     if hidden_size is not None and hidden != hidden_size:
         raise InputError(f"{directory}: hidden states of size {hidden}, the target's hidden size is {hidden_size}")
-    expected = {"aux_hidden": (len(manifest["aux_layers"]) * hidden, dtype), "final_hidden": (hidden, dtype)}
+    if manifest["dtype"] not in STORED:
+        raise InputError(f"{directory}/{MANIFEST}: dtype {manifest['dtype']!r} is not one of {list(STORED)}")
+    expected = expected_columns(manifest["dtype"], hidden, len(manifest["aux_layers"]))
     samples = []
     for sample_id, tensors in iter_samples(directory):
         length = tensors["input_ids"].shape[0]

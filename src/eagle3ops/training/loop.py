@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3ops.config import DrafterTrainConfig
+from eagle3ops.data.hidden_states import decode
 from eagle3ops.errors import InputError
 from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, soft_cross_entropy, ttt_loss
 from eagle3ops.progress import progress as progress_bar
@@ -326,9 +327,9 @@ def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None, cross_entropy=soft_cross_entropy):
     features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
-        return ttt_loss(draft, batch["input_ids"].long(), batch["aux_hidden"].to(features),
-                        batch["final_hidden"].to(features), batch["loss_mask"], batch["positions"], lm_head, ttt_steps,
-                        decay, normaliser, cross_entropy)
+        return ttt_loss(draft, batch["input_ids"].long(), decode(batch, "aux_hidden", features),
+                        decode(batch, "final_hidden", features), batch["loss_mask"], batch["positions"], lm_head,
+                        ttt_steps, decay, normaliser, cross_entropy)
 
 
 class _TTTObjective(torch.nn.Module):
