@@ -81,12 +81,12 @@ def test_a_stage_reads_only_what_it_declares():
 
 
 def test_resume_key_ignores_keys_the_stage_does_not_read(tmp_path):
-    declared = ["seed", "train", "extract.out_dir"]
+    declared = ["seed", "train", "pipeline.hidden_states_dep"]
     digest = load_config(ROOT / "params.yaml").for_stage("train@scratch", declared).stage_digest()
     for unrelated in ("eval.k=5", "report.out_dir=elsewhere", "target.device=cpu", "mlflow.experiment=other"):
         assert load_config(ROOT / "params.yaml", [unrelated]).for_stage("train@scratch", declared).stage_digest() == digest
-    for related in ("train.lr=0.1", "seed=3", "extract.out_dir=data/other"):
-        assert load_config(ROOT / "params.yaml", [related]).for_stage("train@scratch", declared).stage_digest() != digest
+    for related in (["train.lr=0.1"], ["seed=3"], ["extract.out_dir=data/other", "pipeline.hidden_states_dep=data/other"]):
+        assert load_config(ROOT / "params.yaml", related).for_stage("train@scratch", declared).stage_digest() != digest
 
 
 def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypatch, capsys):

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.generation.local_server import free_port
-from eagle3ops.runs.records import find_pipelines
+from eagle3ops.runs.records import RECORD_NAMES, find_pipelines
 
-ALL_STAGES = ["zoo", "generate", "prepare", "extract", "train@scratch", "train@warm_start", "eval@baseline",
-              "eval@scratch", "eval@warm_start", "export", "report"]
+ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
+              "eval@scratch", "eval@warm_start", "export", "report"]  # as DVC names them
+RECORDED = sorted(RECORD_NAMES.get(stage, stage) for stage in ALL_STAGES)  # as the MLflow records do
 
 pytestmark = pytest.mark.e2e
 
@@ -90,13 +91,13 @@ def test_an_edit_to_a_stage_module_makes_the_stage_stale(repo, first_run):
 
 def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
     (first,) = pipelines(repo)
-    assert sorted(first.stages) == sorted(ALL_STAGES)
+    assert sorted(first.stages) == RECORDED
     assert not any(stage.cached for stage in first.stages.values())
     store = client(repo)
     train = store.get_run(first.stages["train@scratch"].run_id)
     assert train.info.status == "FINISHED"
     assert train.data.params["train.lr"] == "0.003"
-    features_md5 = lock_md5(repo, "extract", "data/features")
+    features_md5 = lock_md5(repo, "extract@offline", "data/features")
     assert train.data.tags["dvc.input.data/features"] == features_md5
     assert features_md5 in {d.dataset.digest for d in train.inputs.dataset_inputs}  # MLflow inputs carry DVC md5s
     assert train.data.tags["hardware.label"] and train.data.tags["hardware.cpu_usable_cores"]
@@ -178,7 +179,7 @@ def test_reproduce_gives_identical_hashes(repo, first_run):
     taus = [m for m in result["metrics"] if m["metric"] == "tau"]
     assert len(taus) == 3 and all(m["delta"] == 0 for m in taus)
     rerun = next(p for p in pipelines(repo) if p.tags.get("eagle3ops.reproduces") == first.run_id)
-    assert sorted(rerun.stages) == sorted(ALL_STAGES)
+    assert sorted(rerun.stages) == RECORDED
 
 
 def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
@@ -191,7 +192,7 @@ def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     # The experiment's parent run is named after it and still shows the whole chain: the stages DVC skipped
     # are linked to the runs that produced their outputs.
     experiment = next(p for p in pipelines(repo) if p.name == "lr-1e-3")
-    assert sorted(experiment.stages) == sorted(ALL_STAGES)
+    assert sorted(experiment.stages) == RECORDED
     cached = {name for name, stage in experiment.stages.items() if stage.cached}
     assert cached == {"zoo", "generate", "prepare", "extract", "eval@baseline"}
     original = next(p for p in pipelines(repo) if "eagle3ops.reproduces" not in p.tags and p.name != "lr-1e-3")

@@ -239,24 +239,36 @@ def test_disk_full_during_extraction_then_resume(tmp_path, tiny_target_dir):
         subprocess.run(["umount", "-l", str(store)], capture_output=True)
 
 
-def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir):
-    """The train stage itself (CLI, after a real extract, held to the project's dvc.yaml), killed at resume points
-    chosen by a seeded RNG; before the last run a key the stage does not read is edited, which keeps the resume
-    point (it is keyed on the stage's declared params and input md5s)."""
+TRAIN_PARAMS = {"epochs": 2, "batch_size": 2, "packed_length": 576, "lr": 1e-3, "checkpoint_every": 5, "log_every": 5,
+                "simulate": {"every": 0}}
+ONLINE = {"train": {**TRAIN_PARAMS, "hidden_states": "online"},
+          "pipeline": {"extract": [], "hidden_states_dep": "data/prepared"}}
+
+
+def train_workspace(root: Path, target: Path, online: bool) -> dict:
+    """_extract_workspace with the project's dvc.yaml, a draft vocabulary, and the train params of the tests
+    below; offline, the extract stage run."""
     from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, write_vocab_map
 
-    def workspace(root: Path) -> dict:
-        env = _extract_workspace(root, tiny_target_dir, {"train": {"epochs": 2, "batch_size": 2, "packed_length": 576, "lr": 1e-3,
-                                                                    "checkpoint_every": 5, "log_every": 5,
-                                                                    "simulate": {"every": 0}}})
-        shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
-        counts = count_masked_tokens([([1, 2, 3], [1, 1, 1])])
-        vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
-        write_vocab_map(root / "data" / "prepared", *build_vocab_map(counts, vocab, 32))
+    env = _extract_workspace(root, target, ONLINE if online else {"train": TRAIN_PARAMS})
+    shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
+    counts = count_masked_tokens([([1, 2, 3], [1, 1, 1])])
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    write_vocab_map(root / "data" / "prepared", *build_vocab_map(counts, vocab, 32))
+    if not online:
         done = subprocess.run([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        return env
+    return env
+
+
+@pytest.mark.parametrize("hidden_states", ["offline", "online"])
+def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir, hidden_states):
+    """The train stage itself (CLI, held to the project's dvc.yaml; offline after a real extract, online with the
+    target beside it), killed at resume points chosen by a seeded RNG; before the last run a key the stage does not
+    read is edited, which keeps the resume point (it is keyed on the stage's declared params and input md5s)."""
+    def workspace(root: Path) -> dict:
+        return train_workspace(root, tiny_target_dir, hidden_states == "online")
 
     def train(root: Path, env: dict) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=root,

@@ -50,6 +50,7 @@ GenerateBackend = choices("GenerateBackend", "hf", "openai", "none")
 ExtractBackend = choices("ExtractBackend", "hf", "import")
 ImportFormat = choices("ImportFormat", "speculators", "specforge")
 TrainInit = choices("TrainInit", "scratch", "warm_start")
+HiddenStates = choices("HiddenStates", "offline", "online")
 WarmStartVocab = choices("WarmStartVocab", "keep", "remap")
 EvalDrafter = choices("EvalDrafter", "baseline", "scratch", "warm_start")
 EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
@@ -321,6 +322,9 @@ class TrainConfig(DrafterTrainConfig):
     warm_start_optimizer: bool = False  # continue its AdamW moments (needs its training_state.pt; keep only)
     warm_start_min_coverage: float = 0.9  # below this draft-vocab coverage of the new data: "needs a new head"
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    # offline: from the extract stage's shards; online: from the target, run beside the drafter, none stored
+    # (training/online.py); the `pipeline` keys wire dvc.yaml to match
+    hidden_states: HiddenStates = HiddenStates.offline
     epochs: int = 6
     lr: float = 3e-3
 
@@ -425,6 +429,15 @@ class ExportConfig(Section):
 
 
 @dataclass
+class PipelineConfig(Section):
+    """dvc.yaml's wiring for train.hidden_states, which its templating cannot derive from one key (Config.check
+    holds them together): the extract stage, once or not at all, and the directory train depends on for its
+    hidden states."""
+    extract: list[str] = field(default_factory=lambda: ["offline"])  # online: []
+    hidden_states_dep: str = "data/features"  # extract.out_dir; online: prepare.out_dir
+
+
+@dataclass
 class HardwareConfig(Section):
     label: Optional[str] = None  # e.g. H200, 8xRTXPRO6000-pcie; null = derived from the machine, e.g. cpu-2c
 
@@ -451,10 +464,18 @@ class Config(Section):
     eval: EvalConfig = field(default_factory=EvalConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
     def check(self) -> Iterator[tuple[str, str]]:
+        online = self.train.hidden_states == HiddenStates.online
+        wiring = ([], self.prepare.out_dir) if online else (["offline"], self.extract.out_dir)
+        if (list(self.pipeline.extract), self.pipeline.hidden_states_dep) != wiring:
+            yield "pipeline", (f"train.hidden_states is {self.train.hidden_states}: set pipeline.extract to "
+                               f"{wiring[0]} and pipeline.hidden_states_dep to {wiring[1]!r} (dvc.yaml then "
+                               + ("runs no extract stage and has train depend on the prepared data and the target)"
+                                  if online else "runs the extract stage and has train depend on its output)"))
         if self.extract.backend == ExtractBackend("import") and Path(self.extract.import_dir) == Path(self.prepare.out_dir):
             yield "extract.import_dir", (f"still names the prepared data ({self.prepare.out_dir}); with backend import "
                                          f"point it at the serving engine's output")
@@ -541,13 +562,14 @@ def _restricted(section: Section, prefix: str, stage: str, readable: set[str]) -
 
 
 def _checks(section: Section, prefix: str) -> Iterator[tuple[str, str]]:
-    """Every section's own checks, with the dotted key of what fails."""
-    for name, reason in section.check():
-        yield f"{prefix}{name}", reason
+    """Every section's own checks, with the dotted key of what fails: the inner sections' first, so that a bad
+    value is named before a check across sections trips over it."""
     for item in dataclasses.fields(section):
         value = getattr(section, item.name)
         if isinstance(value, Section):
             yield from _checks(value, f"{prefix}{item.name}.")
+    for name, reason in section.check():
+        yield f"{prefix}{name}", reason
 
 
 def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
@@ -574,6 +596,6 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
         key = getattr(err, "full_key", None)
         message = err.msg if hasattr(err, "msg") else str(err)
         raise ConfigError(f"{path}: {'key ' + repr(key) + ': ' if key else ''}{message.splitlines()[0]}") from None
-    for key, reason in [*_checks(cfg, ""), *cfg.check()]:
+    for key, reason in _checks(cfg, ""):
         raise ConfigError(f"{path}: key '{key}': {reason}")
     return cfg

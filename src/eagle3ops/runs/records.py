@@ -32,7 +32,7 @@ class PipelineRecord:
     name: str
     tags: dict[str, str]
     params: dict[str, str] = field(default_factory=dict)  # what defines the pipeline (the report stage logs them)
-    stages: dict[str, StageRecord] = field(default_factory=dict)  # by dvc stage name
+    stages: dict[str, StageRecord] = field(default_factory=dict)  # by dvc stage name (RECORD_NAMES)
 
     @property
     def hardware_label(self) -> str:
@@ -43,6 +43,11 @@ class PipelineRecord:
     def metric(self, dvc_stage: str, name: str) -> float | None:
         record = self.stages.get(dvc_stage)
         return None if record is None else record.metrics.get(name)
+
+
+# dvc.yaml's extract stage is a foreach of one item, present only for offline training: DVC names it extract@offline,
+# the records extract, as runs from before it was one did.
+RECORD_NAMES = {"extract@offline": "extract"}
 
 
 def _stage_record(run) -> StageRecord:
@@ -66,7 +71,7 @@ def load_pipeline(client: MlflowClient, run_id: str) -> PipelineRecord:
                                   order_by=["attributes.start_time ASC"], max_results=5000)
     for child in children:  # a stage run twice in one pipeline run: the later run wins
         stage = _stage_record(child)
-        record.stages[stage.dvc_stage] = stage
+        record.stages[RECORD_NAMES.get(stage.dvc_stage, stage.dvc_stage)] = stage
     return record
 
 

@@ -1,9 +1,14 @@
 """Stage `train@<init>`: train the drafter from scratch, or fine-tune an existing one (warm start).
 
+train.hidden_states offline reads the target's hidden states from the extract stage's shards; online runs the target
+beside the drafter for them (training/online.py), and dvc.yaml wires the stage to the prepared data and the target
+instead (the `pipeline` keys of params.yaml).
+
 Under torchrun every rank runs this stage on its share of each global batch (training/distributed.py); rank 0 alone logs
 to MLflow and writes the resume points, the drafter, metrics and plots.
 """
 import tempfile
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -22,6 +27,8 @@ from eagle3ops.modeling.target import (
     load_target,
     load_text_config,
     load_tokenizer,
+    model_text_config,
+    resolve_aux_layers,
     resolve_device,
 )
 from eagle3ops.resume import resume_point
@@ -32,6 +39,7 @@ from eagle3ops.training import distributed
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import WarmStart, load_warm_start, new_drafter
 from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
+from eagle3ops.training.online import TargetStates, token_samples
 from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 
@@ -41,14 +49,31 @@ def run(cfg: Config, init: str) -> None:
 
 
 def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
-    features = Path(cfg.extract.out_dir)
-    inputs = [features, cfg.prepare.out_dir, cfg.target.path] + ([cfg.train.warm_start] if init == "warm_start" else [])
+    online = cfg.train.hidden_states == "online"
+    if online and world.size > 1:
+        raise InputError("train.hidden_states online runs in one process (the target beside the drafter, on its own "
+                         "GPUs with target.device_map): launch it without torchrun")
+    features = None if online else Path(cfg.pipeline.hidden_states_dep)  # extract.out_dir (config.py checks it)
+    inputs = ([features] if features else []) + [cfg.prepare.out_dir, cfg.target.path] + (
+        [cfg.train.warm_start] if init == "warm_start" else [])
     tracking = (stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target))
                 if world.main else nullcontext(distributed.Untracked()))
     with tracking as tracked:
+        tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states)})
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
-            aux_layers = read_manifest(features / "train")["aux_layers"]
+            if online:
+                target = load_target(cfg.target)
+                aux_layers = resolve_aux_layers(cfg.target.aux_layers, model_text_config(target).num_hidden_layers)
+                train_samples = token_samples(Path(cfg.prepare.out_dir) / "train")
+                eval_samples = token_samples(Path(cfg.prepare.out_dir) / "eval")
+                states = TargetStates(target, aux_layers, device, len(train_samples) + len(eval_samples),
+                                      cfg.extract.max_nonfinite_fraction)
+            else:
+                aux_layers = read_manifest(features / "train")["aux_layers"]
+                train_samples = load_feature_samples(features / "train", embedding.shape[1])
+                eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
+                states = None
             d2t, t2d = read_vocab_map(cfg.prepare.out_dir)
             if init == "warm_start":
                 warm = load_warm_start(cfg.train.warm_start, cfg.target.path, embedding, lm_head, aux_layers,
@@ -62,16 +87,14 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
                 warm, optimizer_state = None, None
                 draft = new_drafter(load_text_config(cfg.target), cfg.train.draft, aux_layers,
                                     embedding, d2t, t2d, cfg.seed)
-            train_samples = load_feature_samples(features / "train", embedding.shape[1])
-            eval_samples = load_feature_samples(features / "eval", embedding.shape[1])
-            simulator = _simulator(cfg, eval_samples) if cfg.train.simulate.every and world.main else None
+            simulator = (_simulator(cfg, eval_samples, states) if cfg.train.simulate.every and world.main else None)
         resume = (resume_point(f"train@{init}", {"params": cfg.stage_digest(), "inputs": tracked.input_md5s})
                   if world.main else None)
         saved = distributed.shared_resume(resume, world)
         if saved is not None and world.main:
             print(f"train@{init}: resuming at step {saved['step']} from {resume.path}", flush=True)
         recipe = Recipe(draft, train_samples, eval_samples, lm_head, cfg.train, cfg.seed, device, world,
-                        optimizer_state)
+                        optimizer_state, states)
         hooks = Hooks(log=lambda step, metrics: tracked.log_metrics(metrics, step),
                       checkpoint=(lambda state: resume.save(state.to_dict())) if resume else None,
                       probe=simulator, probe_every=cfg.train.simulate.every, desc=f"train@{init}")
@@ -90,22 +113,32 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
             "train_tokens": result.tokens, "steps_per_s": round(result.steps_per_s, 2),
             "tokens_per_s": round(result.tokens_per_s, 1), "padding_share": round(result.padding_share, 4),
             "simulator_s": round(result.probe_s, 1),
+            **({"skipped_nonfinite": len(states.nonfinite)} if online else {}),
             **{key: round(value, 4) for key, value in result.final.items()},  # eval/..., sim/...
             **(_warm_start_metrics(warm) if warm else {}),
         })
 
 
-def _simulator(cfg: Config, eval_samples: list[dict]) -> AcceptanceSimulator:
-    """The acceptance simulator on the first held-out prompts: it needs the whole target beside training."""
+def _simulator(cfg: Config, eval_samples: list[dict], online: TargetStates | None) -> Callable:
+    """The acceptance simulator on the first held-out prompts: it needs the whole target beside training (online,
+    the one already there, taken in turn with the thread that asks it for hidden states)."""
     simulate = cfg.train.simulate
     prompts = held_out_prompts([{k: s[k].tolist() for k in ("input_ids", "loss_mask")} for s in eval_samples],
                                simulate.prompts)
     if not prompts:
-        raise InputError(f"train.simulate: {cfg.extract.out_dir}/eval has no sample with an assistant turn to "
+        raise InputError(f"train.simulate: the held-out split ({cfg.prepare.out_dir}/eval) has no sample with an assistant turn to "
                          f"measure acceptance on; raise data.eval_fraction or set train.simulate.every to 0")
     tokenizer = load_tokenizer(cfg.target)
-    return AcceptanceSimulator(load_target(cfg.target), prompts, SpecSettings(k=simulate.k), simulate.max_new_tokens,
-                               {tokenizer.eos_token_id}, cfg.seed)
+    simulator = AcceptanceSimulator(online.model if online else load_target(cfg.target), prompts,
+                                    SpecSettings(k=simulate.k), simulate.max_new_tokens, {tokenizer.eos_token_id},
+                                    cfg.seed)
+    if online is None:
+        return simulator
+
+    def in_turn(draft):
+        with online.lock:
+            return simulator(draft)
+    return in_turn
 
 
 def _log_warm_start(tracked, warm: WarmStart) -> None:

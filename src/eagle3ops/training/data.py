@@ -11,7 +11,7 @@ every rank walks the same global batches of `train.batch_size` rows and takes it
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -116,21 +116,18 @@ ASSEMBLED_AHEAD = 2  # batches a thread assembles ahead for a GPU; none on a CPU
 # step's for the same cores (2x slower)
 
 
-def assembled_ahead(items: Iterator[tuple[int, list]], world: World, packed_length: int, rows_per_rank: int,
-                    device: torch.device, depth: int) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
-    """(epoch, global batch, this rank's share assembled on the host as `rows_per_rank` rows), in order. With
-    `depth` > 0 a thread assembles that many batches ahead: the device does not wait for the CPU to copy the next
-    rows together (hundreds of MB of hidden states at real sizes)."""
-    def assembled(batch: list) -> dict[str, torch.Tensor]:
-        return assemble(rank_share(batch, world), packed_length, rows_per_rank, pin=device.type == "cuda")
-
+def assembled_ahead(items: Iterator[tuple[int, list]], make: Callable[[list], dict[str, torch.Tensor]], depth: int
+                    ) -> Iterator[tuple[int, list, dict[str, torch.Tensor]]]:
+    """(epoch, global batch, `make(global batch)`: the tensors of the step), in order. With `depth` > 0 a thread
+    makes that many batches ahead (a bounded queue): the device does not wait for the CPU to copy the next rows
+    together (hundreds of MB of hidden states at real sizes), nor, online, for the target to be asked for them."""
     if depth == 0:
-        yield from ((epoch, batch, assembled(batch)) for epoch, batch in items)
+        yield from ((epoch, batch, make(batch)) for epoch, batch in items)
         return
     with ThreadPoolExecutor(1, thread_name_prefix="batch-assembly") as pool:
         ahead: deque = deque()
         for epoch, batch in items:
-            ahead.append((epoch, batch, pool.submit(assembled, batch)))
+            ahead.append((epoch, batch, pool.submit(make, batch)))
             if len(ahead) > depth:
                 epoch, batch, future = ahead.popleft()
                 yield epoch, batch, future.result()

@@ -35,6 +35,7 @@ from eagle3ops.training.data import (
     assemble,
     assembled_ahead,
     eval_batches,
+    rank_share,
     remaining_batches,
     schedule,
     to_device,
@@ -59,6 +60,9 @@ class Recipe:
     device: torch.device
     world: World | None = None  # None: the process group this process has joined, or this process alone
     warm_moments: dict | None = None  # a warm start's AdamW state, continued under this run's settings
+    # None: the samples carry their hidden states (offline); else (rows, assembled batch) -> the batch with them,
+    # from the target running beside training (training/online.py)
+    hidden_states: Callable[[list, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,8 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     depth = ASSEMBLED_AHEAD if device.type == "cuda" else 0
     remaining = remaining_batches(batches, step, total_steps)
     rows_per_rank = math.ceil(optim.batch_size / world.size)
-    for epoch, rows, assembled in assembled_ahead(remaining, world, optim.packed_length, rows_per_rank, device, depth):
+    make = functools.partial(_make_batch, recipe, world, rows_per_rank)
+    for epoch, rows, assembled in assembled_ahead(remaining, make, depth):
         batch = to_device(assembled, device)
         weights.release_gradients()  # none kept through the forward, where they would add to its peak memory
         result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy)
@@ -324,6 +329,15 @@ def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:
         group.update(own)
 
 
+def _make_batch(recipe: Recipe, world: World | None, row_count: int, batch: list[list[dict]]
+                ) -> dict[str, torch.Tensor]:
+    """A global batch's tensors for this rank (all of them with `world` None), on the host unless the hidden states
+    come from the target (then theirs on the training device)."""
+    rows = rank_share(batch, world) if world is not None else batch
+    assembled = assemble(rows, recipe.optim.packed_length, row_count, pin=recipe.device.type == "cuda")
+    return recipe.hidden_states(rows, assembled) if recipe.hidden_states else assembled
+
+
 def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None, cross_entropy=soft_cross_entropy):
     features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
@@ -368,7 +382,7 @@ def _evaluate(recipe: Recipe, held_out: list, lm_head: torch.Tensor, cross_entro
     draft.eval()
     loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
     for rows in held_out[world.rank :: world.size]:
-        batch = to_device(assemble(rows, optim.packed_length, optim.batch_size), device)
+        batch = to_device(_make_batch(recipe, None, optim.batch_size, rows), device)
         result = _batch_loss(draft, batch, lm_head, ttt_steps, optim.loss_decay, cross_entropy=cross_entropy)
         for k in range(ttt_steps):
             correct[k] += result.accs[k] * result.counted[k]

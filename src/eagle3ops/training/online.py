@@ -1,0 +1,126 @@
+"""Online training (train.hidden_states: online): the target runs beside the drafter and computes each batch's hidden
+states as the extract stage would have stored them; none is written to disk.
+
+    samples = token_samples(prepared / "train")            # the prepared samples, in the extract stage's order
+    states = TargetStates(model, aux_layers, device, ...)  # Recipe.hidden_states: (rows, batch) -> batch + states
+
+The samples are those offline training reads from the shards, in the same order (the shards hold them shortest
+first), so the seeded epochs pack the same rows. The target runs on the packed rows themselves: every document
+carries its own positions from 0, which Hugging Face's attention reads as packed sequences (a block-diagonal causal
+mask), so each document's states are those it has run alone; `check_packed_attention` holds the target to that on
+the first batch, before its step. The training loop asks for each batch's states on the thread that assembles
+batches ahead (training/data.py, `assembled_ahead`): a bounded queue, so a target on other GPUs (target.device_map)
+computes batch i+1 while the drafter trains on batch i, and one on the drafter's GPU has its kernels queued
+ahead. On a CPU both run in turn.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from eagle3ops.data.shards import iter_samples
+from eagle3ops.errors import InputError
+from eagle3ops.modeling.target import capture
+
+
+class NonFiniteStatesError(InputError):
+    """Too many samples whose hidden states hold NaN/inf."""
+
+
+def extraction_order(lengths: list[int]) -> list[int]:
+    """The order the extract stage stores samples in (shortest first; stable), and so the order offline training
+    reads them."""
+    return sorted(range(len(lengths)), key=lambda i: lengths[i])
+
+
+def token_samples(directory: str | Path) -> list[dict[str, torch.Tensor]]:
+    """A prepared split's samples as training takes them ({input_ids int32 [T], loss_mask uint8 [T]}, the dtypes of
+    the feature shards), in the extract stage's order."""
+    samples = [{"input_ids": t["input_ids"].to(torch.int32), "loss_mask": t["loss_mask"].to(torch.uint8)}
+               for _, t in iter_samples(directory)]
+    return [samples[i] for i in extraction_order([len(s["input_ids"]) for s in samples])]
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[R, T] -> [R, T]: the index of each position's document within its row (a document starts at position 0)."""
+    return (positions == 0).long().cumsum(-1) - 1
+
+
+class TargetStates:
+    """A batch's hidden states from the target: aux_hidden [R, T, 3H] (the aux layers, low to high) and
+    final_hidden [R, T, H] (after the final norm), in the target's dtype on the drafter's device.
+
+    A document whose states hold a NaN or inf gets zero states and no counted position (offline, the extract stage
+    leaves such a sample out); more such samples than `max_nonfinite_fraction` of them stops training."""
+
+    def __init__(self, model, aux_layers: list[int], device: torch.device, samples: int,
+                 max_nonfinite_fraction: float):
+        self.model, self.aux_layers, self.device = model, aux_layers, device
+        self.samples, self.fraction = samples, max_nonfinite_fraction
+        self.nonfinite: set[int] = set()  # id() of the samples with NaN/inf states
+        self.lock = threading.Lock()  # the target's forwards, one user at a time (the acceptance simulator too)
+        self.checked = False  # check_packed_attention on the first batch
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, T] token ids and positions (on any device) -> aux [R, T, 3H], final [R, T, H] on the target's."""
+        target = self.model.device
+        with self.lock, capture(self.model, self.aux_layers) as hooks:
+            self.model(input_ids=input_ids.to(target, non_blocking=True).long(),
+                       position_ids=positions.to(target, non_blocking=True), use_cache=False, logits_to_keep=1)
+            return hooks.aux(), hooks.final()
+
+    def __call__(self, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`batch` (training/data.py, `assemble`; its rows `rows`) with the states added."""
+        if not self.checked:
+            check_packed_attention(self, rows, batch)
+            self.checked = True
+        aux, final = self.forward(batch["input_ids"], batch["positions"])
+        finite = aux.isfinite().all(-1) & final.isfinite().all(-1)  # [R, T]
+        if not bool(finite.all()):  # waits for the target, on the thread that assembles batches ahead
+            dropped = self._drop_nonfinite(rows, document_ids(batch["positions"]), ~finite.cpu())  # [R, T]
+            keep = ~dropped.to(aux.device)[..., None]
+            aux, final = torch.where(keep, aux, 0), torch.where(keep, final, 0)
+            batch = {**batch, "loss_mask": batch["loss_mask"] * ~dropped}
+        return {**batch, "aux_hidden": aux.to(self.device, non_blocking=True),
+                "final_hidden": final.to(self.device, non_blocking=True)}
+
+    def _drop_nonfinite(self, rows: list[list[dict]], documents: torch.Tensor, poisoned: torch.Tensor
+                        ) -> torch.Tensor:
+        """The positions of the documents with a poisoned position ([R, T] each); counts their samples and raises
+        past the allowed share."""
+        hit = torch.zeros(documents.shape, dtype=torch.long).scatter_reduce(1, documents, poisoned.long(), "amax")
+        for r, d in hit.nonzero().tolist():  # [R, documents]: 1 where a document holds a NaN/inf
+            if r < len(rows) and d < len(rows[r]):  # a sample, not a row's padded tail
+                self.nonfinite.add(id(rows[r][d]))
+        if len(self.nonfinite) > int(self.fraction * self.samples):
+            raise NonFiniteStatesError(
+                f"{len(self.nonfinite)} of {self.samples} samples gave NaN/inf hidden states, more than "
+                f"extract.max_nonfinite_fraction={self.fraction}; check target.dtype (float16 overflows) and the "
+                f"weights")
+        return hit.gather(1, documents).bool()
+
+
+def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> None:
+    """Hold the target to packed rows: each document of the first row that has several must get the states it gets
+    run alone, up to rounding. A target whose attention ignores the packed positions (some remote-code models) lets
+    documents see the ones before them, and would train the drafter on states no engine ever shows it."""
+    row = next((r for r, documents in enumerate(rows) if len(documents) > 1), None)
+    if row is None:
+        return
+    packed_aux, packed_final = states.forward(batch["input_ids"][row : row + 1], batch["positions"][row : row + 1])
+    start = 0
+    for sample in rows[row]:
+        length = sample["input_ids"].shape[0]
+        alone = states.forward(sample["input_ids"][None], torch.arange(length)[None])
+        for packed, own in zip((packed_aux, packed_final), alone):
+            own, packed = own[0].float(), packed[0, start : start + length].float()
+            if (packed - own).abs().mean() > 0.02 * own.abs().mean():
+                raise InputError(
+                    f"the target's attention does not keep packed documents apart (their states differ from each "
+                    f"document's alone, {(packed - own).abs().mean() / own.abs().mean():.1%}): online training runs "
+                    f"the target on packed rows, which needs an attention that reads packed position_ids (Hugging "
+                    f"Face's own architectures do); train offline instead (train.hidden_states: offline)")
+        start += length
