@@ -3,13 +3,14 @@
 #   bench/gpu.sh two-gpus    # on a machine with two GPUs: data-parallel training and the split target
 #   bench/gpu.sh one-gpu     # extraction by length and batch, training by batch and length
 #   bench/gpu.sh varlen      # training on packed rows and on data of varying length from process start
+#   bench/gpu.sh online      # extraction in bf16 and FP8; offline against online training, epoch by epoch
 # SIZE=tiny runs the same commands at the tiny scale (a check of the script; results to $OUT_DIR).
 set -euo pipefail
 size=${SIZE:-8b}
 out=${OUT_DIR:-bench/results}
 python=${PYTHON:-python3}
 run() { echo "+ $*" >&2; "$@"; }
-case ${1:?two-gpus, one-gpu or varlen} in
+case ${1:?two-gpus, one-gpu, varlen or online} in
   two-gpus)
     run "$python" -m torch.distributed.run --standalone --nproc-per-node 2 -m eagle3ops.cli bench --size "$size" \
         --parts train --out "$out/h200x2-ddp-train.json"
@@ -21,5 +22,7 @@ case ${1:?two-gpus, one-gpu or varlen} in
   varlen)
     run "$python" -m eagle3ops.cli bench --size "$size" --parts train train-varlen --kernels flex \
         --train-shapes 1x2048 4x2048 1x8192 1x16384 --out "$out/h200-train-varlen.json" ;;
-  *) echo "usage: bench/gpu.sh two-gpus|one-gpu|varlen" >&2; exit 2 ;;
+  online)
+    run "$python" -m eagle3ops.cli bench --size "$size" --parts online --out "$out/h200-online.json" ;;
+  *) echo "usage: bench/gpu.sh two-gpus|one-gpu|varlen|online" >&2; exit 2 ;;
 esac

@@ -71,3 +71,19 @@ def test_tiny_bench_trains_data_of_varying_length_from_fresh_processes(tmp_path)
     write_result(result, out)
     assert "from process start" in out.with_suffix(".md").read_text()
     assert (tmp_path / "varlen-start.png").stat().st_size > 0
+
+
+def test_tiny_bench_online_against_offline(tmp_path):
+    """Extraction in bf16 and FP8, then the same epochs offline and online: the same losses step for step (up to the
+    rounding of bf16 shards against the target's float32 states on a CPU), totals that add up, no shard left."""
+    result = run_bench("tiny", torch.device("cpu"), tmp_path / "work", parts=("online",))["online"]
+    extract = result["extract"]
+    assert extract["float8_e4m3"]["bytes"] < 0.6 * extract["bfloat16"]["bytes"]
+    assert extract["float8_e4m3"]["bytes_per_token"] == 4 * 128 + 16 + 5
+    offline, online = result["offline"], result["online"]
+    assert len(offline["losses"]) == len(online["losses"]) == 3 * offline["steps_per_epoch"]
+    assert result["loss_max_rel_diff"] < 1e-2
+    first = extract["bfloat16"]["seconds"] + result["offline_read_s"] + offline["epoch_s"][0]
+    assert result["totals_s"]["1"]["offline"] == round(first, 1)
+    assert result["totals_s"]["3"]["online"] == round(sum(online["epoch_s"]), 1)
+    assert not list((tmp_path / "work").glob("online-features-*"))

@@ -11,6 +11,7 @@ import torch
 from eagle3ops.benchmark.sizes import BenchSize
 from eagle3ops.benchmark.timing import sync, timed
 from eagle3ops.modeling.draft import compute_dtype
+from eagle3ops.modeling.target import default_aux_layers
 
 
 def build_target(architecture: dict, device: torch.device, dtype: torch.dtype):
@@ -55,13 +56,13 @@ def extract_naive(model, samples: list[dict], aux_layers: list[int], batch_size:
 
 
 def extract_ours(model, samples: list[dict], aux_layers: list[int], batch_size: int, out_dir: Path,
-                 samples_per_shard: int) -> dict:
+                 samples_per_shard: int, dtype: str = "bfloat16") -> dict:
     from eagle3ops.extraction.hf import extract_features
 
     sync(model.device)
     start = time.perf_counter()
     result = extract_features(model, samples, aux_layers, out_dir, batch_size, samples_per_shard=samples_per_shard,
-                              dtype="bfloat16", desc="bench extract")
+                              dtype=dtype, desc="bench extract")
     seconds = time.perf_counter() - start
     written = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
     # Steady: while the forwards run; the drain after them (the last shard's write) is paid once per run.
@@ -70,18 +71,13 @@ def extract_ours(model, samples: list[dict], aux_layers: list[int], batch_size: 
             "steady_tokens_per_s": result.tokens / (seconds - result.drain_s)}
 
 
-def _aux_layers(architecture: dict) -> list[int]:
-    layers = architecture["num_hidden_layers"]
-    return [2, layers // 2, layers - 3]
-
-
 def bench_extraction(size: BenchSize, device: torch.device, work_dir: Path, peak_tflops: float) -> dict:
     """The naive pipeline and ours at the base shape, then ours at every shape of the length and batch sweeps,
     each point over the same number of tokens and beside the forward alone at its shape."""
     arch = size.architecture
     model = build_target(arch, device, compute_dtype(device))
     params = sum(p.numel() for p in model.parameters())
-    aux_layers, total_tokens = _aux_layers(arch), size.extract_sequences * size.extract_seq_len
+    aux_layers, total_tokens = default_aux_layers(arch["num_hidden_layers"]), size.extract_sequences * size.extract_seq_len
     mfu = lambda tokens_per_s: 2 * params * tokens_per_s / (peak_tflops * 1e12)  # noqa: E731
     base = (size.extract_batch_size, size.extract_seq_len)
     shapes = sorted({base, *((size.extract_batch_tokens // n, n) for n in size.extract_lengths),
@@ -138,10 +134,10 @@ def bench_split_extraction(size: BenchSize, device: torch.device, work_dir: Path
             torch.cuda.reset_peak_memory_stats(index)
         # A whole untimed pass first: it also pins the host memory the pipeline keeps (a one-off cost of a
         # process, which would otherwise fall on whichever placement runs first).
-        extract_ours(model, samples, _aux_layers(arch), size.extract_batch_size, work_dir / "split-warmup",
+        extract_ours(model, samples, default_aux_layers(arch["num_hidden_layers"]), size.extract_batch_size, work_dir / "split-warmup",
                      shard_samples)
         shutil.rmtree(work_dir / "split-warmup")
-        row = extract_ours(model, samples, _aux_layers(arch), size.extract_batch_size, work_dir / f"split-{name}",
+        row = extract_ours(model, samples, default_aux_layers(arch["num_hidden_layers"]), size.extract_batch_size, work_dir / f"split-{name}",
                            shard_samples)
         row.update(placement=name, modules_per_device={str(d): list(layout.values()).count(d) for d in
                                                         dict.fromkeys(layout.values())},

@@ -41,6 +41,8 @@ def render(result: dict) -> str:
                   f"{check['loss_max_rel_diff']:.1e}, gradients by at most {check['grad_max_rel_diff']:.1e} (relative)", ""]
     if "train_varlen" in result:
         lines += render_varlen(result["train_varlen"], result["size"] == "8b")
+    if "online" in result:
+        lines += render_online(result["online"])
     return "\n".join(lines)
 
 
@@ -92,6 +94,33 @@ def render_varlen(varlen: dict, with_reference: bool) -> list[str]:
                   f"{reference['compile_s']:.0f} s of it compiling; from a cold start eagle3ops takes "
                   f"{first['epoch1_from_start_s']:.1f} s for this set's {varlen['tokens']:,}: "
                   f"{reference['epoch_s'] / first['epoch1_from_start_s']:.2f}x SpecForge's speed.", ""]
+    return lines
+
+
+def render_online(online: dict) -> list[str]:
+    """Extraction in bf16 and FP8, then offline and online training epoch by epoch, the totals and the break-even."""
+    import pandas as pd
+
+    from eagle3ops.reporting.summary import markdown_table
+
+    lines = [f"## Online training against extraction + offline training: {online['samples']} samples, "
+             f"{online['tokens']:,} tokens, rows of {online['packed_length']}, target and drafter on one device", ""]
+    extract = pd.DataFrame([{"extraction": dtype, "tokens/s": f"{run['tokens_per_s']:,.0f}",
+                             "bytes/token": f"{run['bytes_per_token']:,}", "GB written": f"{run['bytes'] / 1e9:.2f}",
+                             "disk GB/s": f"{run['disk_gbps']:.2f}"} for dtype, run in online["extract"].items()])
+    lines += [markdown_table(extract, "g"), ""]
+    modes = pd.DataFrame([{"training": mode, **{f"epoch {e + 1} s": f"{s:.1f}" for e, s in enumerate(run["epoch_s"])},
+                           "steady tok/s": f"{run['steady_tokens_per_s']:,}", "peak GiB": run["peak_gib"]}
+                          for mode, run in (("offline (shards in memory)", online["offline"]),
+                                            ("online (target beside)", online["online"]))])
+    lines += [markdown_table(modes, "g"), "",
+              f"Offline first reads the bf16 shards back: {online['offline_read_s']} s. Both peaks hold the target "
+              f"({online['target_gib']} GiB), which offline training would not. The losses of the two runs differ by "
+              f"at most {online['loss_max_rel_diff']:.1e} (relative), step for step.", ""]
+    totals = pd.DataFrame([{"epochs": e, "offline: extract + read + train, s": t["offline"], "online, s": t["online"]}
+                           for e, t in online["totals_s"].items()])
+    lines += [markdown_table(totals, "g"), "",
+              f"Break-even: online is faster below {online['break_even_epochs']} epochs, offline above.", ""]
     return lines
 
 

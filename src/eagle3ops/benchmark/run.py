@@ -19,6 +19,8 @@ values). Figures:
 - training on data of varying length (`train-varlen`, benchmark/varlen.py): the train stage's loop from the start
   of a fresh process, with a cold and a warm compile cache; and, on a GPU, the fused step against the reference
   math on the same device (largest differences of losses and gradients);
+- online training (`online`, benchmark/online.py): extraction in bf16 and FP8, then the same epochs offline (from
+  the shards) and online (the target beside the drafter), and the break-even number of epochs;
 - data-parallel training (under torchrun, `run_data_parallel_bench`): the train stage's loop at one global
   batch on one rank alone, then over all ranks with DDP: tokens/s, scaling, and the loss of every step of both.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from eagle3ops.benchmark.extraction import bench_extraction, bench_split_extraction
+from eagle3ops.benchmark.online import bench_online
 from eagle3ops.benchmark.sizes import SIZES
 from eagle3ops.benchmark.timing import device_name, measure_ceilings
 from eagle3ops.benchmark.training import bench_train, compare_with_reference, draft_config, packed_documents
@@ -77,6 +80,8 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         result["train"] = rows
+    if "online" in parts:
+        result["online"] = bench_online(size, device, work_dir)
     if "train-varlen" in parts:
         if device.type == "cuda":
             result["fused_vs_reference"] = compare_with_reference(device)

@@ -33,6 +33,9 @@ class BenchSize:
     varlen_range: tuple[int, int] = (128, 8192)
     varlen_seed: int = 1  # 54,976 tokens (the reference run's set had 54,900)
     varlen_packed_length: int = 8192
+    online_samples: int = 160  # online: the varying-length set extracted and trained on, online and offline
+    online_extract_batch: int = 8
+    online_samples_per_shard: int = 64
 
 
 TINY_ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 128,
@@ -47,7 +50,8 @@ def _preset_architecture(name: str) -> dict:
 SIZES = {
     "tiny": lambda: BenchSize(TINY_ARCH, 256, 256, 32, 8, [128, 256, 512], 2048, [1, 4, 8], 4096, [1, 4], 256, [512],
                               4, 512, 32 << 20, train_packed_lengths=[512], varlen_samples=12, varlen_median=60.0,
-                              varlen_range=(16, 256), varlen_packed_length=256),
+                              varlen_range=(16, 256), varlen_packed_length=256, online_samples=24,
+                              online_samples_per_shard=8),
     # 128 x 2048 tokens per extraction point: 8.6 GB written, shards of 2 GiB as the presets size them.
     "8b": lambda: BenchSize(_preset_architecture("llama-3.1-8b.json"), 32000, 2048, 128, 8, [1024, 2048, 4096, 8192],
                             16384, [1, 2, 4, 8, 16], 65536, [1, 2, 4], 2048, [4096, 8192, 16384], 8, 8192, 4 << 30,

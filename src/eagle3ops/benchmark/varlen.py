@@ -21,10 +21,11 @@ import torch
 from eagle3ops.benchmark.sizes import SIZES, BenchSize
 
 
-def varlen_lengths(size: BenchSize) -> list[int]:
-    """The set's sample lengths: log-normal around `varlen_median`, clipped to `varlen_range`, from `varlen_seed`."""
+def varlen_lengths(size: BenchSize, samples: int | None = None) -> list[int]:
+    """The set's sample lengths (`samples` of them, else `varlen_samples`): log-normal around `varlen_median`,
+    clipped to `varlen_range`, from `varlen_seed`."""
     generator = torch.Generator().manual_seed(size.varlen_seed)
-    lengths = torch.empty(size.varlen_samples).log_normal_(math.log(size.varlen_median), size.varlen_sigma,
+    lengths = torch.empty(samples or size.varlen_samples).log_normal_(math.log(size.varlen_median), size.varlen_sigma,
                                                            generator=generator)
     return lengths.round().clamp(*size.varlen_range).int().tolist()
 
