@@ -274,9 +274,9 @@ def test_hidden_states_kept_out_of_the_remote_are_extracted_again(pipeline, env,
     run(["dvc", "cache", "dir", "--local", str(pipeline / ".dvc" / "cache")], gpu_box, env)
     run(["dvc", "checkout"], gpu_box, env)
     dvc_yaml = (gpu_box / "dvc.yaml").read_text()
-    assert dvc_yaml.count("      - ${extract.out_dir}\n") == 1
-    (gpu_box / "dvc.yaml").write_text(dvc_yaml.replace("      - ${extract.out_dir}\n",
-                                                       "      - ${extract.out_dir}: {push: false}\n"))
+    assert dvc_yaml.count("        - ${extract.out_dir}\n") == 1
+    (gpu_box / "dvc.yaml").write_text(dvc_yaml.replace("        - ${extract.out_dir}\n",
+                                                       "        - ${extract.out_dir}: {push: false}\n"))
     run(["dvc", "remote", "modify", "local", "url", str(work / "storage")], gpu_box, env)
     commit(gpu_box, "hidden states stay on the GPU box")
     assert "Data and pipelines are up to date" in run(["dvc", "status"], gpu_box, env)
