@@ -105,22 +105,27 @@ class TargetStates:
 
 def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> None:
     """Hold the target to packed rows: each document of the first row that has several must get the states it gets
-    run alone, up to rounding. A target whose attention ignores the packed positions (some remote-code models) lets
-    documents see the ones before them, and would train the drafter on states no engine ever shows it."""
+    run alone. A target whose attention ignores the packed positions (some remote-code models) lets documents see
+    the ones before them, and would train the drafter on states no engine ever shows it.
+
+    Packed and alone run other kernels, whose rounding differs (a few % in bf16 over a deep random-weight model):
+    the row's first document, which has nothing before it to see, measures that rounding; a later one that differs
+    by more than twice as much, plus 1%, saw another document."""
     row = next((r for r, documents in enumerate(rows) if len(documents) > 1), None)
     if row is None:
         return
-    packed_aux, packed_final = states.forward(batch["input_ids"][row : row + 1], batch["positions"][row : row + 1])
-    start = 0
+    packed = states.forward(batch["input_ids"][row : row + 1], batch["positions"][row : row + 1])
+    differences, start = [], 0
     for sample in rows[row]:
         length = sample["input_ids"].shape[0]
         alone = states.forward(sample["input_ids"][None], torch.arange(length)[None])
-        for packed, own in zip((packed_aux, packed_final), alone):
-            own, packed = own[0].float(), packed[0, start : start + length].float()
-            if (packed - own).abs().mean() > 0.02 * own.abs().mean():
-                raise InputError(
-                    f"the target's attention does not keep packed documents apart (their states differ from each "
-                    f"document's alone, {(packed - own).abs().mean() / own.abs().mean():.1%}): online training runs "
-                    f"the target on packed rows, which needs an attention that reads packed position_ids (Hugging "
-                    f"Face's own architectures do); train offline instead (train.hidden_states: offline)")
+        differences.append(max(float((own[0].float() - together[0, start : start + length].float()).abs().mean()
+                                     / own.float().abs().mean()) for together, own in zip(packed, alone)))
         start += length
+    rounding, worst = differences[0], max(differences[1:])
+    if worst > 2 * rounding + 0.01:
+        raise InputError(
+            f"the target's attention does not keep packed documents apart: a document's states differ from its "
+            f"own alone by {worst:.1%}, where rounding alone gives {rounding:.1%} (the row's first document). Online "
+            f"training runs the target on packed rows, which needs an attention that reads packed position_ids "
+            f"(Hugging Face's own architectures do); train offline instead (train.hidden_states: offline)")
