@@ -73,8 +73,8 @@ def bench_online(size: BenchSize, device: torch.device, work_dir: Path, epochs: 
     result["online"] = _timed_epochs(Recipe(random_drafter(cfg, seed=0), tokens_only, [], lm_head, optim, 0, device,
                                             hidden_states=states))
     # the same steps on the same states, up to the rounding of the target run on packed rows instead of batches
-    result["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(result["online"]["losses"],
-                                                                          result["offline"]["losses"]))
+    result["loss_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(result["online"]["losses"],
+                                                                                      result["offline"]["losses"]))
     # Both modes compile the same drafter graphs once (the first epoch's excess over a steady one; the second run
     # finds the first's compile cache, so their first epochs do not compare): the totals leave it out.
     steady = {mode: result[mode]["steady_epoch_s"] for mode in ("offline", "online")}
