@@ -4,6 +4,7 @@ Checks what users rely on: `dvc repro` builds everything; a second run does noth
 re-runs only train, the evals of trained drafters and the report; the same params give the same checkpoint
 hash; every stage run is in MLflow, grouped under one parent per pipeline run, with its lineage tags.
 """
+import io
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from mlflow import MlflowClient
@@ -386,6 +388,27 @@ def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, br
     assert f"Version {champion.version}" in row.text and champion.tags["tau"] in row.text, row.text
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
     screenshot(browser, "mlflow-model", tmp_path)
+
+
+def test_online_training_on_the_zoo_is_the_offline_run(repo, first_run):
+    """`dvc exp run` online, as docs/training.md gives it: no extract stage, train depending on the prepared data,
+    and the same loss curves as the committed offline run (float32 on the CPU, to 1e-6)."""
+    output = run(["dvc", "exp", "run", "-n", "online", "-S", "train.hidden_states=online", "-S", "pipeline.extract=[]",
+                  "-S", "pipeline.hidden_states_dep=data/prepared"], repo)
+    assert ran_stages(output)[:2] == ["train@scratch", "train@warm_start"] and "extract@offline" not in output
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert "extract@offline" not in lock
+    assert "data/features" not in {dep["path"] for dep in lock["train@scratch"]["deps"]}
+    for init in ("scratch", "warm_start"):
+        offline = pd.read_csv(io.StringIO(run(["git", "show", f"HEAD:plots/train-{init}.csv"], repo)))
+        online = pd.read_csv(repo / "plots" / f"train-{init}.csv")
+        assert list(online["step"]) == list(offline["step"])
+        assert online["train/loss"].tolist() == pytest.approx(offline["train/loss"].tolist(), rel=1e-6), init
+    experiment = next(p for p in pipelines(repo) if p.name == "online")
+    assert experiment.stages["train@scratch"].tags["eagle3ops.hidden_states"] == "online"
+    assert experiment.stages["train@scratch"].params["train.hidden_states"] == "online"
+    run(["git", "checkout", "--", "."], repo)
+    run(["dvc", "checkout"], repo)
 
 
 def test_a_one_off_run_leaves_the_pipelines_metrics_and_champion_alone(repo, first_run):
