@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from eagle3ops.config import DrafterTrainConfig, TargetConfig
 from eagle3ops.data.hidden_states import FP8, bytes_per_token, decode, encode, finite_positions
-from eagle3ops.data.prepare import read_tokenized, split, write_tokenized
+from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import read_manifest
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import extract_features
@@ -16,6 +16,7 @@ from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import load_target
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.loop import Recipe, train_drafter
+from test_extract_import import prepared  # noqa: F401  (the fixture: a few prepared samples of the tiny target)
 
 AUX = [1, 2, 3]
 STEP = 2.0 ** -4  # e4m3 keeps 3 bits of mantissa: a value is off by at most 1/16 of itself, so of its slice's amax
@@ -56,22 +57,6 @@ def test_nonfinite_states_show_in_their_scales_and_nothing_overflows():
 def test_bytes_per_token():
     assert bytes_per_token("bfloat16", 7168) == 4 * 7168 * 2  # Kimi-K2.5: 56 KiB
     assert bytes_per_token(FP8, 7168) == 4 * 7168 + 4 * 4
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_tokenizer) -> Path:
-    texts = ["The fox jumps over the lazy dog number 3.", "Hello world, how are you today? The answer is 42.",
-             "def add(a, b):\n    return a + b\n", "You are a helpful assistant. Answer briefly.",
-             "The assistant writes the code number 7. The answer is 49.", "<think>Let me think.</think> 42."]
-    samples = []
-    for i, text in enumerate(texts):
-        ids = tiny_tokenizer.encode(text)
-        samples.append({"id": f"s{i}", "input_ids": ids, "loss_mask": [0] * 3 + [1] * (len(ids) - 3)})
-    root = tmp_path_factory.mktemp("prepared")
-    train, held_out = split(samples, 0.2)
-    write_tokenized(train, root / "train", {"split": "train"})
-    write_tokenized(held_out, root / "eval", {"split": "eval"})
-    return root
 
 
 @pytest.fixture(scope="module")
