@@ -181,6 +181,7 @@ def test_stage_imports_into_the_lineage(tmp_path, monkeypatch, model, prepared, 
             "target": {"path": str(tiny_target_dir), "lineage_dep": str(tiny_target_dir), "aux_layers": AUX,
                        "device": "cpu"},
             "extract": {"samples_per_shard": 2, **settings},
+            "pipeline": {"hidden_states_dep": settings.get("out_dir", "data/features")},  # config.py holds them equal
             "mlflow": {"system_metrics": False, "registered_model": None}}))
         extract.run(load_config(tmp_path / "params.yaml"))
 

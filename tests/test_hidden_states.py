@@ -1,5 +1,7 @@
 """FP8 feature shards (extract.dtype float8_e4m3): a scale per token and layer, written by extraction and import,
 read back and dequantised for training; NaN/inf samples still skipped."""
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,13 @@ def test_a_manifest_misstating_the_dtype_is_refused_naming_the_sample(extracted,
     (broken / "manifest.json").write_text(manifest.replace('"float8_e4m3"', '"bfloat16"'))
     with pytest.raises(InputError, match=r"broken: sample 's\d': aux_hidden is .+float8_e4m3fn, the manifest says .+bfloat16"):
         load_feature_samples(broken)
+    unscaled = tmp_path / "unscaled"  # float32 states under a manifest that says FP8: no scales
+    shutil.copytree(extracted["float32"], unscaled)
+    manifest = json.loads((unscaled / "manifest.json").read_text())
+    (unscaled / "manifest.json").write_text(json.dumps({**manifest, "dtype": FP8}))
+    with pytest.raises(InputError, match=r"unscaled: sample 's\d' has no aux_hidden_scale, final_hidden_scale, "
+                                         r"which a shard of float8_e4m3 hidden states holds"):
+        load_feature_samples(unscaled)
 
 
 def test_training_on_fp8_shards_is_training_on_their_dequantised_states(extracted):

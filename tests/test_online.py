@@ -1,6 +1,7 @@
 """Online training (train.hidden_states: online): the target beside the drafter gives each step the hidden states the
 extract stage would have stored, so the run is the offline run; dvc.yaml then has no extract stage and train
 depends on the prepared data and the target."""
+import copy
 import subprocess
 import sys
 
@@ -76,27 +77,34 @@ def test_the_target_on_packed_rows_gives_each_sample_its_stored_states(samples):
 
 
 def test_a_sample_with_nan_states_is_dropped_from_the_loss_and_counted(samples):
+    """A NaN embedding row poisons the samples holding that token, and in attention it would reach every document
+    of their packed row: the row is run again a document at a time, and only those samples lose their states and
+    their counted positions, as offline the extract stage leaves out only them."""
     model, tokens, _ = samples
     rows, batch = packed_batch(tokens)
-    row, document = next((r, d) for r, row in enumerate(rows) for d in range(len(row)) if d > 0)
-    states = TargetStates(model, AUX, torch.device("cpu"), len(tokens), 0.5)
-    states.checked = True
-    forward = states.forward
-
-    def poisoned(input_ids, positions):
-        aux, final = forward(input_ids, positions)
-        hit = (document_ids(positions) == document)
-        hit[torch.arange(len(hit)) != row] = False
-        return aux.masked_fill(hit[..., None], float("nan")), final
-    states.forward = poisoned
+    row = next(r for r, documents in enumerate(rows) if len(documents) > 2)
+    own = [set(sample["input_ids"].tolist()) for sample in rows[row]]
+    token = next(iter(own[1] - set().union(*own[:1], *own[2:])))  # in the second document of the row alone
+    poisoned_model = copy.deepcopy(model)
+    poisoned_model.get_input_embeddings().weight.data[token] = float("nan")
+    states = TargetStates(poisoned_model, AUX, torch.device("cpu"), len(tokens), 1.0)
+    clean = TargetStates(model, AUX, torch.device("cpu"), len(tokens), 0.5)(rows, batch)
     out = states(rows, batch)
-    hit = document_ids(batch["positions"]) == document
-    hit[torch.arange(len(hit)) != row] = False
-    assert not out["loss_mask"][hit].any() and torch.equal(out["loss_mask"][~hit], batch["loss_mask"][~hit])
+    hit = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)  # the documents that hold the token
+    for r, documents in enumerate(rows):
+        start = 0
+        for sample in documents:
+            length = sample["input_ids"].shape[0]
+            hit[r, start : start + length] = token in sample["input_ids"].tolist()
+            start += length
+    assert hit[row].any() and not out["loss_mask"][hit].any()
+    assert torch.equal(out["loss_mask"][~hit], batch["loss_mask"][~hit])
     assert torch.isfinite(out["aux_hidden"]).all() and not out["aux_hidden"][hit].any()
-    assert len(states.nonfinite) == 1
+    real = batch["loss_mask"].bool() & ~hit  # every other sample keeps its states
+    torch.testing.assert_close(out["final_hidden"][real], clean["final_hidden"][real], rtol=1e-5, atol=1e-5)
+    assert len(states.nonfinite) == sum(token in s["input_ids"].tolist() for row in rows for s in row)
     states.fraction = 0.0
-    with pytest.raises(InputError, match="1 of .* samples gave NaN/inf hidden states.*max_nonfinite_fraction=0.0"):
+    with pytest.raises(InputError, match=r"\d+ of .* samples gave NaN/inf hidden states.*max_nonfinite_fraction=0.0"):
         states(rows, batch)
 
 
@@ -143,3 +151,48 @@ def test_dvc_yaml_online_has_no_extract_stage_and_train_needs_no_features(tmp_pa
     stages, deps = resolved()
     assert not [s for s in stages if s.startswith("extract")] and "data/features" not in deps
     assert {"data/prepared", "models/zoo/successor"} <= set(deps)  # the prepared data and the target
+
+
+def test_the_target_asked_ahead_by_a_thread_and_by_the_probe_in_turn(samples, monkeypatch):
+    """As on a GPU: a thread asks the target for the next batches' states while the loop trains, and a probe (the
+    acceptance simulator's part) runs the target with hooks of its own between steps, under the same lock. The
+    losses are those of the run without the thread, and the probe sees its own states every time."""
+    from eagle3ops.config import DrafterTrainConfig
+    from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+    from eagle3ops.modeling.target import capture
+    from eagle3ops.training import loop
+
+    model, tokens, _ = samples
+    prompt = tokens[0]["input_ids"][None].long()
+    with capture(model, AUX) as hooks:
+        model(input_ids=prompt, use_cache=False)
+        expected = hooks.final().clone()
+
+    def run(depth: int) -> tuple[list[float], list[bool]]:
+        monkeypatch.setattr(loop, "assembly_depth", lambda device: depth)
+        torch.manual_seed(0)
+        draft = Eagle3Draft(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                        num_key_value_heads=2, vocab_size=model.config.vocab_size,
+                                        draft_vocab_size=model.config.vocab_size, target_hidden_size=32,
+                                        aux_layers=AUX))
+        draft.embed_tokens.weight.data.normal_()
+        draft.t2d.fill_(True)
+        states = TargetStates(model, AUX, torch.device("cpu"), len(tokens), 0.0)
+        seen = []
+
+        def probe(_draft):
+            with states.lock, capture(model, AUX) as own:
+                model(input_ids=prompt, use_cache=False)
+                seen.append(torch.equal(own.final(), expected))
+            return {}
+
+        optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=600, ttt_steps=2, log_every=1,
+                                   checkpoint_every=0)
+        head = torch.randn(model.config.vocab_size, 32, generator=torch.Generator().manual_seed(1))
+        result, _ = loop.train_drafter(loop.Recipe(draft, tokens, [], head, optim, 0, torch.device("cpu"),
+                                                   hidden_states=states), loop.Hooks(probe=probe, probe_every=1))
+        return [row["train/loss"] for row in result.history if "train/loss" in row], seen
+
+    inline, ahead = run(0), run(2)
+    assert len(inline[0]) >= 4 and ahead[0] == pytest.approx(inline[0], rel=1e-6)
+    assert all(ahead[1]) and len(ahead[1]) == len(inline[1])

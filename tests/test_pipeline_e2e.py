@@ -258,6 +258,16 @@ def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo, first_run):
     assert "Data and pipelines are up to date" in status, status
     assert lock_md5(repo, "train@scratch", "models/drafters/scratch") == drafter
 
+    # the extract stage, a foreach of one item (extract@offline), alike
+    kept = {"metrics/extract.json": (repo / "metrics" / "extract.json").read_bytes()}
+    write_params(repo, ["extract.batch_size=many"])
+    output = run(["dvc", "repro", "extract"], repo, fail=True)
+    assert "key 'extract.batch_size'" in output and "`dvc checkout data/features` restores" in output, output
+    assert {path: (repo / path).read_bytes() for path in kept} == kept
+    run(["dvc", "checkout", "data/features"], repo)
+    write_params(repo, [])
+    assert "Data and pipelines are up to date" in run(["dvc", "status", "extract"], repo)
+
     run(["dvc", "repro", "train@warm_start"], repo)  # its lock still holds an experiment's params
     outputs = ("metrics/train-warm_start.json", "plots/train-warm_start.csv",
                "models/drafters/warm_start/model.safetensors")
@@ -404,6 +414,8 @@ def test_online_training_on_the_zoo_is_the_offline_run(repo, first_run):
         online = pd.read_csv(repo / "plots" / f"train-{init}.csv")
         assert list(online["step"]) == list(offline["step"])
         assert online["train/loss"].tolist() == pytest.approx(offline["train/loss"].tolist(), rel=1e-6), init
+    summary = (repo / "reports" / "summary.md").read_text()  # no timing of the offline run's extract
+    assert "| train-scratch " in summary and "| extract " not in summary
     experiment = next(p for p in pipelines(repo) if p.name == "online")
     assert experiment.stages["train@scratch"].tags["eagle3ops.hidden_states"] == "online"
     assert experiment.stages["train@scratch"].params["train.hidden_states"] == "online"

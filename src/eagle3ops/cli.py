@@ -461,8 +461,10 @@ def _put_back_outputs(name: str) -> None:
     from eagle3ops.tracking.lineage import put_back_outputs
     from eagle3ops.tracking.store import project_root
 
-    if os.environ.get("DVC_STAGE") != name:  # run by hand: nothing was removed
+    dvc_stage = os.environ.get("DVC_STAGE", "")  # the one-item foreach extract@offline runs `eagle3ops extract`
+    if name not in (dvc_stage, dvc_stage.partition("@")[0]):  # run by hand: nothing was removed
         return
+    name = dvc_stage
     put_back, cached = put_back_outputs(project_root(), name)
     if put_back:
         print(f"eagle3ops {name}: put back the last run's {', '.join(put_back)}", file=sys.stderr)

@@ -78,13 +78,13 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
                 padded = min(lengths) < ids.shape[1]  # without padding, no mask: the plain causal kernel
                 model(input_ids=ids.to(device, non_blocking=True),
                       attention_mask=mask_on_device.long() if padded else None, use_cache=False, logits_to_keep=1)
-                states = {**encode("aux_hidden", hooks.aux(), len(aux_layers), dtype),  # [B, T, 3H]
-                          **encode("final_hidden", hooks.final(), 1, dtype)}  # [B, T, H] (and FP8's scales)
-                finite = (finite_positions(states) | ~mask_on_device).all(-1)  # [B]
-                # Only the real positions travel, packed sample after sample: [sum(lengths), ...].
-                packed = {name: _to_host(tensor.flatten(0, 1).index_select(0, positions))
-                          for name, tensor in states.items()}
-                sink.put(rows, lengths, ids, packed, _to_host(finite))
+                # Only the real positions are stored, packed sample after sample: [sum(lengths), 3H], [.., H]
+                aux = hooks.aux().flatten(0, 1).index_select(0, positions)
+                final = hooks.final().flatten(0, 1).index_select(0, positions)
+                states = {**encode("aux_hidden", aux, len(aux_layers), dtype),
+                          **encode("final_hidden", final, 1, dtype)}  # in FP8 with their scales
+                finite = finite_positions(states)  # [sum(lengths)]
+                sink.put(rows, lengths, ids, {name: _to_host(t) for name, t in states.items()}, _to_host(finite))
                 tokens += sum(lengths)
                 bar.update(len(rows))
         forwards_done = time.perf_counter()
@@ -145,7 +145,7 @@ class _BatchWriter:
         offset = 0
         for r, (i, n) in enumerate(zip(rows, lengths)):
             sample = self.samples[i]
-            if not finite[0][r]:
+            if not finite[0][offset : offset + n].all():
                 self.nonfinite.append(sample["id"])  # poison for training: skip and count
                 self.writer.skip(sample["id"])
                 if len(self.nonfinite) > self.allowed:

@@ -26,7 +26,9 @@ from eagle3ops.tracking.store import scrub, tracking_uri
 
 def run(cfg: Config) -> None:
     with stage_run(cfg, "report") as tracked:
-        metrics = read_metrics(STAGES)  # the files dvc.yaml lists as the stage's deps
+        # the metrics dvc.yaml's stages write (the report depends on the directory): extract's only when the pipeline
+        # has the stage, not a file an offline run left behind
+        metrics = read_metrics([stage for stage in STAGES if stage != "extract" or cfg.pipeline.extract])
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
         text = markdown(metrics, scrub(tracking_uri(cfg)), tracked.experiment_id)

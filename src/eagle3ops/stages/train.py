@@ -59,7 +59,8 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
     tracking = (stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target))
                 if world.main else nullcontext(distributed.Untracked()))
     with tracking as tracked:
-        tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states)})
+        if world.main:
+            tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states)})
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
             if online:

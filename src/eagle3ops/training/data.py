@@ -175,6 +175,10 @@ def load_feature_samples(directory, hidden_size: int | None = None) -> list[dict
     samples = []
     for sample_id, tensors in iter_samples(directory):
         length = tensors["input_ids"].shape[0]
+        missing = [name for name in expected if name not in tensors]
+        if missing:
+            raise InputError(f"{directory}: sample {sample_id!r} has no {', '.join(missing)}, which a shard of "
+                             f"{manifest['dtype']} hidden states holds (the manifest's dtype)")
         for name, (width, kind) in expected.items():
             if tuple(tensors[name].shape) != (length, width) or tensors[name].dtype != kind:
                 raise InputError(f"{directory}: sample {sample_id!r}: {name} is {tuple(tensors[name].shape)} "

@@ -165,7 +165,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         distributed.broadcast_from_main(weights.masters)  # DDP broadcasts the drafter's weights, not the masters
     start, resumed_at, probe_s, row_tokens = time.perf_counter(), (step, tokens), 0.0, 0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
-    depth = ASSEMBLED_AHEAD if device.type == "cuda" else 0
+    depth = assembly_depth(device)
     remaining = remaining_batches(batches, step, total_steps)
     rows_per_rank = math.ceil(optim.batch_size / world.size)
     make = functools.partial(_make_batch, recipe, world, rows_per_rank)
@@ -327,6 +327,12 @@ def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     for group, own in zip(optimizer.param_groups, settings):
         group.pop("initial_lr", None)
         group.update(own)
+
+
+def assembly_depth(device: torch.device) -> int:
+    """Batches a thread makes ahead: ASSEMBLED_AHEAD on a GPU; none on a CPU, where its ops would fight the step's
+    for the same cores."""
+    return ASSEMBLED_AHEAD if device.type == "cuda" else 0
 
 
 def _make_batch(recipe: Recipe, world: World | None, row_count: int, batch: list[list[dict]]

@@ -15,6 +15,7 @@ ahead. On a CPU both run in turn.
 """
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class TargetStates:
         self.samples, self.fraction = samples, max_nonfinite_fraction
         self.nonfinite: set[int] = set()  # id() of the samples with NaN/inf states
         self.lock = threading.Lock()  # the target's forwards, one user at a time (the acceptance simulator too)
-        self.checked = False  # check_packed_attention on the first batch
+        self.checked = False  # by check_packed_attention, on the first batch that can tell
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,17 +76,32 @@ class TargetStates:
     def __call__(self, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`batch` (training/data.py, `assemble`; its rows `rows`) with the states added."""
         if not self.checked:
-            check_packed_attention(self, rows, batch)
-            self.checked = True
+            self.checked = check_packed_attention(self, rows, batch)
         aux, final = self.forward(batch["input_ids"], batch["positions"])
         finite = aux.isfinite().all(-1) & final.isfinite().all(-1)  # [R, T]
         if not bool(finite.all()):  # waits for the target, on the thread that assembles batches ahead
+            aux, final, finite = self._rows_again_document_by_document(rows, batch, aux, final, finite.all(-1))
+        if not bool(finite.all()):
             dropped = self._drop_nonfinite(rows, document_ids(batch["positions"]), ~finite.cpu())  # [R, T]
             keep = ~dropped.to(aux.device)[..., None]
             aux, final = torch.where(keep, aux, 0), torch.where(keep, final, 0)
             batch = {**batch, "loss_mask": batch["loss_mask"] * ~dropped}
         return {**batch, "aux_hidden": aux.to(self.device, non_blocking=True),
                 "final_hidden": final.to(self.device, non_blocking=True)}
+
+    def _rows_again_document_by_document(self, rows, batch, aux, final, clean_rows: torch.Tensor):
+        """A NaN/inf in one document's keys reaches every query of its row (a masked score times NaN is still NaN):
+        the rows that hold any are run again a document at a time, so that only a document whose own states hold
+        one is dropped, as offline. A row's padded tail is no sample: zeros."""
+        for r in (~clean_rows).nonzero().flatten().tolist():
+            start = 0
+            for sample in rows[r] if r < len(rows) else []:
+                end = start + sample["input_ids"].shape[0]
+                alone = self.forward(batch["input_ids"][r : r + 1, start:end], batch["positions"][r : r + 1, start:end])
+                aux[r, start:end], final[r, start:end] = alone[0][0], alone[1][0]
+                start = end
+            aux[r, start:], final[r, start:] = 0, 0
+        return aux, final, aux.isfinite().all(-1) & final.isfinite().all(-1)
 
     def _drop_nonfinite(self, rows: list[list[dict]], documents: torch.Tensor, poisoned: torch.Tensor
                         ) -> torch.Tensor:
@@ -103,17 +119,18 @@ class TargetStates:
         return hit.gather(1, documents).bool()
 
 
-def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> None:
+def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> bool:
     """Hold the target to packed rows: each document of the first row that has several must get the states it gets
     run alone. A target whose attention ignores the packed positions (some remote-code models) lets documents see
     the ones before them, and would train the drafter on states no engine ever shows it.
 
     Packed and alone run other kernels, whose rounding differs (a few % in bf16 over a deep random-weight model):
     the row's first document, which has nothing before it to see, measures that rounding; a later one that differs
-    by more than twice as much, plus 1%, saw another document."""
+    by more than twice as much, plus 1%, saw another document. Returns whether it could tell: not on a batch without
+    a row of several documents, nor on one whose states hold a NaN/inf (the next batch is checked then)."""
     row = next((r for r, documents in enumerate(rows) if len(documents) > 1), None)
     if row is None:
-        return
+        return False
     packed = states.forward(batch["input_ids"][row : row + 1], batch["positions"][row : row + 1])
     differences, start = [], 0
     for sample in rows[row]:
@@ -122,6 +139,8 @@ def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: 
         differences.append(max(float((own[0].float() - together[0, start : start + length].float()).abs().mean()
                                      / own.float().abs().mean()) for together, own in zip(packed, alone)))
         start += length
+    if not all(math.isfinite(difference) for difference in differences):
+        return False
     rounding, worst = differences[0], max(differences[1:])
     if worst > 2 * rounding + 0.01:
         raise InputError(
@@ -129,3 +148,4 @@ def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: 
             f"own alone by {worst:.1%}, where rounding alone gives {rounding:.1%} (the row's first document). Online "
             f"training runs the target on packed rows, which needs an attention that reads packed position_ids "
             f"(Hugging Face's own architectures do); train offline instead (train.hidden_states: offline)")
+    return True
