@@ -37,9 +37,11 @@ def main() -> None:
     if not Path(features["float32"], "train", "manifest.json").is_file():
         sys.exit("no data/features: run `dvc repro extract@offline` first")
     if not Path(features["float8_e4m3"], "train", "manifest.json").is_file():
-        eagle3ops("extract", "--set", "extract.dtype=float8_e4m3", "--set", f"extract.out_dir={features['float8_e4m3']}",
+        eagle3ops("extract", "--set", "extract.dtype=float8_e4m3",
+                  "--set", f"extract.out_dir={features['float8_e4m3']}",
                   "--set", f"pipeline.hidden_states_dep={features['float8_e4m3']}")
-    sizes = {dtype: sum(f.stat().st_size for f in Path(path).rglob("*.safetensors")) for dtype, path in features.items()}
+    sizes = {dtype: sum(f.stat().st_size for f in Path(path).rglob("*.safetensors"))
+             for dtype, path in features.items()}
     tokens = sum(json.loads(Path(features["float32"], split, "manifest.json").read_text())["tokens"]
                  for split in ("train", "eval"))
     runs = []
@@ -58,7 +60,8 @@ def main() -> None:
     summary = {}
     for dtype in features:
         taus = [run["tau"] for run in runs if run["dtype"] == dtype]
-        summary[dtype] = {"tau_mean": statistics.mean(taus), "tau_stdev": statistics.stdev(taus) if len(taus) > 1 else 0.0,
+        summary[dtype] = {"tau_mean": statistics.mean(taus),
+                          "tau_stdev": statistics.stdev(taus) if len(taus) > 1 else 0.0,
                           "bytes_per_token": sizes[dtype] / tokens}
     result = {"seeds": args.seeds, "tokens": tokens, "runs": runs, "summary": summary}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

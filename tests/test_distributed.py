@@ -24,7 +24,7 @@ from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.target import TargetError, load_target
-from eagle3ops.training.data import assembled_ahead, rank_share, remaining_batches, schedule
+from eagle3ops.training.data import assemble, assembled_ahead, rank_share, remaining_batches, schedule
 from eagle3ops.training.distributed import World
 from eagle3ops.training.loop import Recipe, train_drafter
 
@@ -164,8 +164,11 @@ def test_batches_assembled_ahead_by_a_thread_are_those_assembled_inline():
     total = sum(len(epoch) for epoch in by_epoch)
     for world in (World(), World(1, 2)):
         rows_per_rank = -(-2 // world.size)
-        inline, threaded = (list(assembled_ahead(remaining_batches(by_epoch, 1, total), world, 12, rows_per_rank,
-                                                 torch.device("cpu"), depth)) for depth in (0, 2))
+        def make(batch, world=world, rows_per_rank=rows_per_rank):
+            return assemble(rank_share(batch, world), 12, rows_per_rank)
+
+        inline, threaded = (list(assembled_ahead(remaining_batches(by_epoch, 1, total), make, depth))
+                            for depth in (0, 2))
         assert len(threaded) == len(inline) == total - 1
         assert all(rows["input_ids"].shape == (rows_per_rank, 12) for _, _, rows in inline)  # a short batch filled
         for (epoch, batch, rows), (epoch_t, batch_t, rows_t) in zip(inline, threaded):

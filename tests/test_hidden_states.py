@@ -98,7 +98,8 @@ def test_a_manifest_misstating_the_dtype_is_refused_naming_the_sample(extracted,
         (broken / file.name).write_bytes(file.read_bytes())
     manifest = (broken / "manifest.json").read_text()
     (broken / "manifest.json").write_text(manifest.replace('"float8_e4m3"', '"bfloat16"'))
-    with pytest.raises(InputError, match=r"broken: sample 's\d': aux_hidden is .+float8_e4m3fn, the manifest says .+bfloat16"):
+    with pytest.raises(InputError, match=r"broken: sample 's\d': aux_hidden is .+float8_e4m3fn, "
+                                         r"the manifest says .+bfloat16"):
         load_feature_samples(broken)
     unscaled = tmp_path / "unscaled"  # float32 states under a manifest that says FP8: no scales
     shutil.copytree(extracted["float32"], unscaled)

@@ -146,7 +146,8 @@ def test_dvc_yaml_online_has_no_extract_stage_and_train_needs_no_features(tmp_pa
     stages, deps = resolved()
     assert "extract@offline" in stages and "data/features" in deps
     params = OmegaConf.load(repo / "params.yaml")
-    params.train.hidden_states, params.pipeline.extract, params.pipeline.hidden_states_dep = "online", [], "data/prepared"
+    params.train.hidden_states = "online"
+    params.pipeline.extract, params.pipeline.hidden_states_dep = [], "data/prepared"
     OmegaConf.save(params, repo / "params.yaml")
     stages, deps = resolved()
     assert not [s for s in stages if s.startswith("extract")] and "data/features" not in deps

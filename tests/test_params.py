@@ -85,13 +85,15 @@ def test_resume_key_ignores_keys_the_stage_does_not_read(tmp_path):
     digest = load_config(ROOT / "params.yaml").for_stage("train@scratch", declared).stage_digest()
     for unrelated in ("eval.k=5", "report.out_dir=elsewhere", "target.device=cpu", "mlflow.experiment=other"):
         assert load_config(ROOT / "params.yaml", [unrelated]).for_stage("train@scratch", declared).stage_digest() == digest
-    for related in (["train.lr=0.1"], ["seed=3"], ["extract.out_dir=data/other", "pipeline.hidden_states_dep=data/other"]):
+    moved = ["extract.out_dir=data/other", "pipeline.hidden_states_dep=data/other"]
+    for related in (["train.lr=0.1"], ["seed=3"], moved):
         assert load_config(ROOT / "params.yaml", related).for_stage("train@scratch", declared).stage_digest() != digest
 
 
 def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypatch, capsys):
     """`eagle3ops report` in a project whose dvc.yaml writes the report's directory literally instead of through
-    ${report.out_dir} and declares no params: the stage's first read of report.out_dir stops it, naming the key."""
+    ${report.out_dir} and declares none of the report's own params: the stage's first read of report.out_dir stops
+    it, naming the key."""
     from conftest import isolate
     from eagle3ops import cli
 
@@ -99,7 +101,7 @@ def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypa
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())
     stages["stages"]["report"]["outs"] = [{"reports": {"cache": False}}]
-    stages["stages"]["report"].pop("params")
+    stages["stages"]["report"]["params"] = ["pipeline.extract"]  # report's own section left out
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(stages))
     assert cli.main(["report"]) == 1
     assert "eagle3ops report: error: report reads params key 'report', which its entry in dvc.yaml does not declare" \

@@ -183,7 +183,8 @@ def stage_dependencies(root: Path) -> dict[str, tuple[list[str], list[str]]]:
                 for stage in repo.index.stages}
 
 
-USES_TARGET = ["generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline", "eval@scratch"]
+USES_TARGET = ["generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
+               "eval@scratch"]
 
 
 def test_dvc_tracks_a_real_targets_config_not_its_weights(tmp_path, params):

@@ -77,7 +77,8 @@ def bench_extraction(size: BenchSize, device: torch.device, work_dir: Path, peak
     arch = size.architecture
     model = build_target(arch, device, compute_dtype(device))
     params = sum(p.numel() for p in model.parameters())
-    aux_layers, total_tokens = default_aux_layers(arch["num_hidden_layers"]), size.extract_sequences * size.extract_seq_len
+    aux_layers = default_aux_layers(arch["num_hidden_layers"])
+    total_tokens = size.extract_sequences * size.extract_seq_len
     mfu = lambda tokens_per_s: 2 * params * tokens_per_s / (peak_tflops * 1e12)  # noqa: E731
     base = (size.extract_batch_size, size.extract_seq_len)
     shapes = sorted({base, *((size.extract_batch_tokens // n, n) for n in size.extract_lengths),
@@ -126,6 +127,7 @@ def bench_split_extraction(size: BenchSize, device: torch.device, work_dir: Path
                   "split": {"device_map": "balanced"} if gpus >= 2 else {"device_map": {"": str(device)}}}
     samples = _samples(size.extract_sequences // 2, size.extract_seq_len, arch["vocab_size"], seed=1)
     shard_samples = max(size.extract_batch_size, size.extract_shard_tokens // size.extract_seq_len)
+    aux_layers = default_aux_layers(arch["num_hidden_layers"])
     runs = []
     for name, placement in placements.items():
         model = load_target(TargetConfig(path=str(target_dir), dtype=dtype, **placement))
@@ -134,10 +136,9 @@ def bench_split_extraction(size: BenchSize, device: torch.device, work_dir: Path
             torch.cuda.reset_peak_memory_stats(index)
         # A whole untimed pass first: it also pins the host memory the pipeline keeps (a one-off cost of a
         # process, which would otherwise fall on whichever placement runs first).
-        extract_ours(model, samples, default_aux_layers(arch["num_hidden_layers"]), size.extract_batch_size, work_dir / "split-warmup",
-                     shard_samples)
+        extract_ours(model, samples, aux_layers, size.extract_batch_size, work_dir / "split-warmup", shard_samples)
         shutil.rmtree(work_dir / "split-warmup")
-        row = extract_ours(model, samples, default_aux_layers(arch["num_hidden_layers"]), size.extract_batch_size, work_dir / f"split-{name}",
+        row = extract_ours(model, samples, aux_layers, size.extract_batch_size, work_dir / f"split-{name}",
                            shard_samples)
         row.update(placement=name, modules_per_device={str(d): list(layout.values()).count(d) for d in
                                                         dict.fromkeys(layout.values())},

@@ -36,8 +36,9 @@ def bench_online(size: BenchSize, device: torch.device, work_dir: Path, epochs: 
     hidden = arch["hidden_size"]
     lengths = varlen_lengths(size, size.online_samples)
     generator = torch.Generator().manual_seed(0)
-    samples = [{"id": f"s{i:05d}", "input_ids": torch.randint(0, arch["vocab_size"], (n,), generator=generator).tolist(),
-                "loss_mask": [1] * n} for i, n in enumerate(lengths)]
+    samples = [{"id": f"s{i:05d}", "loss_mask": [1] * n,
+                "input_ids": torch.randint(0, arch["vocab_size"], (n,), generator=generator).tolist()}
+               for i, n in enumerate(lengths)]
     tokens = sum(lengths)
     result: dict = {"samples": len(samples), "tokens": tokens, "epochs": epochs,
                     "packed_length": size.varlen_packed_length, "extract": {},

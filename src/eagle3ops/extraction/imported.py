@@ -382,9 +382,10 @@ def import_features(source: SpeculatorsFiles | SpecForgeFiles, plan: SplitPlan, 
                     samples_per_shard: int, dtype: str = "float32", meta: dict | None = None, desc: str = "import",
                     resumable: bool = False, max_nonfinite_fraction: float = 0.01) -> ExtractResult:
     """Write one split's planned samples as extract_features would: input_ids int32, loss_mask uint8, aux_hidden
-    [T, 3H] and final_hidden [T, H] in `dtype` (data/hidden_states.py), in ShardWriter shards with the same manifest fields. Samples with
-    NaN/inf states are skipped and counted. With `resumable`, a rerun continues after the last complete shard;
-    the ids skipped for NaN/inf are kept beside the partial directory so the rerun starts at the same file."""
+    [T, 3H] and final_hidden [T, H] in `dtype` (data/hidden_states.py), in ShardWriter shards with the same
+    manifest fields. Samples with NaN/inf states are skipped and counted. With `resumable`, a rerun continues after
+    the last complete shard; the ids skipped for NaN/inf are kept beside the partial directory so the rerun starts
+    at the same file."""
     out_dir = Path(out_dir)
     layout = source.layout
     writer = ShardWriter(out_dir, samples_per_shard, resumable=resumable,

@@ -127,8 +127,9 @@ def _simulator(cfg: Config, eval_samples: list[dict], online: TargetStates | Non
     prompts = held_out_prompts([{k: s[k].tolist() for k in ("input_ids", "loss_mask")} for s in eval_samples],
                                simulate.prompts)
     if not prompts:
-        raise InputError(f"train.simulate: the held-out split ({cfg.prepare.out_dir}/eval) has no sample with an assistant turn to "
-                         f"measure acceptance on; raise data.eval_fraction or set train.simulate.every to 0")
+        raise InputError(f"train.simulate: the held-out split ({cfg.prepare.out_dir}/eval) has no sample with an "
+                         f"assistant turn to measure acceptance on; raise data.eval_fraction or set "
+                         f"train.simulate.every to 0")
     tokenizer = load_tokenizer(cfg.target)
     simulator = AcceptanceSimulator(online.model if online else load_target(cfg.target), prompts,
                                     SpecSettings(k=simulate.k), simulate.max_new_tokens, {tokenizer.eos_token_id},

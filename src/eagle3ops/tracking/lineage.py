@@ -214,6 +214,14 @@ def tag_experiment_commits(client: MlflowClient, experiment_id: str, root: Path)
             client.set_tag(parent.info.run_id, RESULT_COMMIT_TAG, commits[name])
 
 
+def defined_stages(root: Path) -> set[str]:
+    """The stages dvc.yaml makes with the current params, as DVC resolves it."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return {stage.addressing for stage in repo.index.stages}
+
+
 def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str, root: Path) -> list[str]:
     """Give the pipeline run a child for every stage DVC skipped: a FINISHED link run that names the run which
     produced the cached outputs (found by dvc.lock hash) and carries its params and final metrics, so every
@@ -223,9 +231,11 @@ def link_cached_stages(client: MlflowClient, experiment_id: str, parent_id: str,
     present = {r.data.tags.get("eagle3ops.dvc_stage")
                for r in _stage_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent_id}'")}
     linked = []
-    for stage, lock_hash in lock_hashes(root).items():
-        if stage in present:
-            continue
+    hashes = lock_hashes(root)
+    defined = defined_stages(root) if hashes else set()
+    for stage, lock_hash in hashes.items():
+        if stage in present or stage not in defined:  # dvc.lock keeps a stage dvc.yaml no longer makes (extract@offline
+            continue                                  # once training is online) until it is run again
         producers = _stage_runs(client, experiment_id, f"tags.`{LOCK_HASH_TAG}` = '{lock_hash}'")
         original = next((r for r in producers if CACHED_FROM_TAG not in r.data.tags), None)
         if original is None:
