@@ -17,7 +17,7 @@ from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.target import load_target
 from eagle3ops.training.data import assemble, load_feature_samples, pack
-from eagle3ops.training.online import TargetStates, document_ids, token_samples
+from eagle3ops.training.online import TargetStates, token_samples
 from test_resume import ROOT, train_workspace
 
 AUX = [1, 2, 3]

@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.generation.local_server import free_port
-from eagle3ops.runs.records import RECORD_NAMES, find_pipelines
+from eagle3ops.runs.records import find_pipelines
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]  # as DVC names them
-RECORDED = sorted(RECORD_NAMES.get(stage, stage) for stage in ALL_STAGES)  # as the MLflow records do
+RECORDED = sorted(stage.removesuffix("@offline") for stage in ALL_STAGES)  # as the MLflow records name them
 
 pytestmark = pytest.mark.e2e
 

@@ -23,10 +23,11 @@ from eagle3ops.benchmark.training import draft_config, random_drafter
 from eagle3ops.benchmark.varlen import varlen_lengths
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.data.hidden_states import FP8, bytes_per_token
+from eagle3ops.data.prepare import extraction_order
 from eagle3ops.modeling.target import default_aux_layers
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.loop import Hooks, Recipe, train_drafter
-from eagle3ops.training.online import TargetStates, extraction_order
+from eagle3ops.training.online import TargetStates
 
 
 def bench_online(size: BenchSize, device: torch.device, work_dir: Path, epochs: int = 3) -> dict:

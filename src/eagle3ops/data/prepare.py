@@ -80,6 +80,12 @@ def masked_token_counts(directory: str | Path) -> Counter:
     return count_masked_tokens((t["input_ids"].tolist(), t["loss_mask"].tolist()) for _, t in iter_samples(directory))
 
 
+def extraction_order(lengths: list[int]) -> list[int]:
+    """The order the extract stage stores prepared samples in, shortest first (stable): fewer padded positions in
+    its batches; offline training reads them in that order, and online training takes them in it."""
+    return sorted(range(len(lengths)), key=lambda i: lengths[i])
+
+
 def read_tokenized(directory: str | Path) -> list[dict]:
     return [{"id": sample_id, "input_ids": t["input_ids"].tolist(), "loss_mask": t["loss_mask"].tolist()}
             for sample_id, t in iter_samples(directory)]

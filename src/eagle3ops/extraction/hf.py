@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle3ops.data.hidden_states import encode, finite_positions
+from eagle3ops.data.prepare import extraction_order
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
 from eagle3ops.modeling.target import capture, model_text_config
@@ -52,7 +53,7 @@ def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir:
     shard by another. At most `QUEUED_BATCHES` batches wait, so host memory stays bounded by two shards (one
     filling, one being written) plus those batches; when the disk is the slower side, the forward waits."""
     device = model.device
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
+    order = extraction_order([len(sample["input_ids"]) for sample in samples])
     samples_per_shard = math.ceil(samples_per_shard / batch_size) * batch_size
     writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable, background=True,
                          meta={**(meta or {}), "aux_layers": aux_layers,

@@ -25,6 +25,12 @@ class StageRecord:
     params: dict[str, str]  # the resolved config, flattened ("train.lr": "0.003")
     tags: dict[str, str]
 
+    @property
+    def name(self) -> str:
+        """"train@scratch", "extract": DVC's name for a stage with variants, the stage's own for one without, whatever
+        dvc.yaml calls it (the extract stage is the one-item foreach extract@offline there)."""
+        return self.stage if self.stage and not self.variant else self.dvc_stage
+
 
 @dataclass
 class PipelineRecord:
@@ -32,7 +38,7 @@ class PipelineRecord:
     name: str
     tags: dict[str, str]
     params: dict[str, str] = field(default_factory=dict)  # what defines the pipeline (the report stage logs them)
-    stages: dict[str, StageRecord] = field(default_factory=dict)  # by dvc stage name (RECORD_NAMES)
+    stages: dict[str, StageRecord] = field(default_factory=dict)  # by `name`: "extract", "train@scratch"
 
     @property
     def hardware_label(self) -> str:
@@ -43,11 +49,6 @@ class PipelineRecord:
     def metric(self, dvc_stage: str, name: str) -> float | None:
         record = self.stages.get(dvc_stage)
         return None if record is None else record.metrics.get(name)
-
-
-# dvc.yaml's extract stage is a foreach of one item, present only for offline training: DVC names it extract@offline,
-# the records extract, as runs from before it was one did.
-RECORD_NAMES = {"extract@offline": "extract"}
 
 
 def _stage_record(run) -> StageRecord:
@@ -71,7 +72,7 @@ def load_pipeline(client: MlflowClient, run_id: str) -> PipelineRecord:
                                   order_by=["attributes.start_time ASC"], max_results=5000)
     for child in children:  # a stage run twice in one pipeline run: the later run wins
         stage = _stage_record(child)
-        record.stages[RECORD_NAMES.get(stage.dvc_stage, stage.dvc_stage)] = stage
+        record.stages[stage.name] = stage
     return record
 
 

@@ -21,19 +21,15 @@ from pathlib import Path
 
 import torch
 
+from eagle3ops.data.prepare import extraction_order
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.errors import InputError
+from eagle3ops.modeling.draft import document_ids
 from eagle3ops.modeling.target import capture
 
 
 class NonFiniteStatesError(InputError):
     """Too many samples whose hidden states hold NaN/inf."""
-
-
-def extraction_order(lengths: list[int]) -> list[int]:
-    """The order the extract stage stores samples in (shortest first; stable), and so the order offline training
-    reads them."""
-    return sorted(range(len(lengths)), key=lambda i: lengths[i])
 
 
 def token_samples(directory: str | Path) -> list[dict[str, torch.Tensor]]:
@@ -42,11 +38,6 @@ def token_samples(directory: str | Path) -> list[dict[str, torch.Tensor]]:
     samples = [{"input_ids": t["input_ids"].to(torch.int32), "loss_mask": t["loss_mask"].to(torch.uint8)}
                for _, t in iter_samples(directory)]
     return [samples[i] for i in extraction_order([len(s["input_ids"]) for s in samples])]
-
-
-def document_ids(positions: torch.Tensor) -> torch.Tensor:
-    """[R, T] -> [R, T]: the index of each position's document within its row (a document starts at position 0)."""
-    return (positions == 0).long().cumsum(-1) - 1
 
 
 class TargetStates:
@@ -82,25 +73,33 @@ class TargetStates:
         if not bool(finite.all()):  # waits for the target, on the thread that assembles batches ahead
             aux, final, finite = self._rows_again_document_by_document(rows, batch, aux, final, finite.all(-1))
         if not bool(finite.all()):
-            dropped = self._drop_nonfinite(rows, document_ids(batch["positions"]), ~finite.cpu())  # [R, T]
+            documents = document_ids(batch["positions"]) - 1  # [R, T], from 0
+            dropped = self._drop_nonfinite(rows, documents, ~finite.cpu())  # [R, T]
             keep = ~dropped.to(aux.device)[..., None]
             aux, final = torch.where(keep, aux, 0), torch.where(keep, final, 0)
             batch = {**batch, "loss_mask": batch["loss_mask"] * ~dropped}
         return {**batch, "aux_hidden": aux.to(self.device, non_blocking=True),
                 "final_hidden": final.to(self.device, non_blocking=True)}
 
+    def documents_alone(self, rows: list[list[dict]], batch: dict[str, torch.Tensor], row: int):
+        """(start, end, aux [n, 3H], final [n, H]) of each document of `batch`'s row `row`, run alone."""
+        start = 0
+        for sample in rows[row] if row < len(rows) else []:
+            end = start + sample["input_ids"].shape[0]
+            aux, final = self.forward(batch["input_ids"][row : row + 1, start:end],
+                                      batch["positions"][row : row + 1, start:end])
+            yield start, end, aux[0], final[0]
+            start = end
+
     def _rows_again_document_by_document(self, rows, batch, aux, final, clean_rows: torch.Tensor):
         """A NaN/inf in one document's keys reaches every query of its row (a masked score times NaN is still NaN):
         the rows that hold any are run again a document at a time, so that only a document whose own states hold
         one is dropped, as offline. A row's padded tail is no sample: zeros."""
         for r in (~clean_rows).nonzero().flatten().tolist():
-            start = 0
-            for sample in rows[r] if r < len(rows) else []:
-                end = start + sample["input_ids"].shape[0]
-                alone = self.forward(batch["input_ids"][r : r + 1, start:end], batch["positions"][r : r + 1, start:end])
-                aux[r, start:end], final[r, start:end] = alone[0][0], alone[1][0]
-                start = end
-            aux[r, start:], final[r, start:] = 0, 0
+            end = 0
+            for start, end, own_aux, own_final in self.documents_alone(rows, batch, r):
+                aux[r, start:end], final[r, start:end] = own_aux, own_final
+            aux[r, end:], final[r, end:] = 0, 0
         return aux, final, aux.isfinite().all(-1) & final.isfinite().all(-1)
 
     def _drop_nonfinite(self, rows: list[list[dict]], documents: torch.Tensor, poisoned: torch.Tensor
@@ -132,13 +131,10 @@ def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: 
     if row is None:
         return False
     packed = states.forward(batch["input_ids"][row : row + 1], batch["positions"][row : row + 1])
-    differences, start = [], 0
-    for sample in rows[row]:
-        length = sample["input_ids"].shape[0]
-        alone = states.forward(sample["input_ids"][None], torch.arange(length)[None])
-        differences.append(max(float((own[0].float() - together[0, start : start + length].float()).abs().mean()
+    differences = []
+    for start, end, *alone in states.documents_alone(rows, batch, row):
+        differences.append(max(float((own.float() - together[0, start:end].float()).abs().mean()
                                      / own.float().abs().mean()) for together, own in zip(packed, alone)))
-        start += length
     if not all(math.isfinite(difference) for difference in differences):
         return False
     rounding, worst = differences[0], max(differences[1:])
