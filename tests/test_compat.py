@@ -16,7 +16,7 @@ from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import load_embedding_and_head
 from eagle3ops.training.compat import IncompatibleDrafter, check_compat
 from eagle3ops.training.init import drafter_sha256, load_warm_start, rehead
-from eagle3ops.training.loop import continue_moments
+from eagle3ops.training.optimizers import Optimizers
 
 VOCAB, HIDDEN, LAYERS = 302, 32, [1, 2, 3]  # the tiny target of conftest.py: 4 layers, hidden 32
 DATA = Counter({token: 100 - token % 50 for token in range(40, 140)})  # loss-masked token counts of "new data"
@@ -129,12 +129,24 @@ def test_warm_start_refuses_features_from_other_layers(tmp_path, tiny_target_dir
 
 def test_warm_start_keeps_the_source_vocabulary_and_records_its_digest(tmp_path, tiny_target_dir):
     source = make_drafter(tmp_path / "d", tokens=range(150, 250))
-    warm, _ = warm_start(tmp_path, tiny_target_dir, source)
-    assert warm.compat.verdict == "needs_new_head" and warm.remapped_rows is None
+    warm, _ = warm_start(tmp_path, tiny_target_dir, source, vocab="keep")
+    assert warm.compat.verdict == "needs_new_head" and warm.remapped_rows is None and warm.vocab == "keep"
     assert torch.equal(draft_to_target_ids(warm.draft.d2t), torch.arange(150, 250))
     assert warm.sha256 == drafter_sha256(source)
     (source / "config.json").write_text((source / "config.json").read_text() + " ")
     assert drafter_sha256(source) != warm.sha256
+
+
+def test_auto_reheads_exactly_when_the_check_says_needs_new_head(tmp_path, tiny_target_dir):
+    covering = warm_start(tmp_path, tiny_target_dir, make_drafter(tmp_path / "a"))[0]
+    assert covering.compat.verdict == "compatible" and covering.vocab == "keep" and covering.remapped_rows is None
+    short = warm_start(tmp_path, tiny_target_dir, make_drafter(tmp_path / "b", tokens=range(90, 190)))[0]
+    assert short.compat.verdict == "needs_new_head" and short.vocab == "remap" and short.remapped_rows == 50
+    assert torch.equal(draft_to_target_ids(short.draft.d2t), torch.arange(40, 140))
+    source = make_drafter(tmp_path / "c", tokens=range(90, 190))
+    torch.save({"optimizer": {"adamw": {"state": {}, "param_groups": []}}}, source / "training_state.pt")
+    with pytest.raises(Exception, match="auto, and check-compat says needs_new_head"):
+        warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
 
 
 def test_remap_reheads_with_old_rows_for_shared_tokens_and_target_rows_for_new_ones(tmp_path, tiny_target_dir):
@@ -165,36 +177,50 @@ def test_rehead_to_a_larger_draft_vocabulary(tmp_path, tiny_target_dir):
     assert draft.lm_head.weight.shape == (160, HIDDEN) and draft.cfg.draft_vocab_size == 160
 
 
-def test_optimizer_moments_continue_with_this_runs_settings(tmp_path, tiny_target_dir):
+def trainable(draft) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p) for name, p in draft.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_moments_continue_with_this_runs_settings(tmp_path, tiny_target_dir, optimizer):
     source = make_drafter(tmp_path / "d")
     warm, _ = warm_start(tmp_path, tiny_target_dir, source)
-    params = [p for p in warm.draft.parameters() if p.requires_grad]
-    old = torch.optim.AdamW(params, lr=5e-2, betas=(0.8, 0.9))
-    for p in params:
+    theirs = DrafterTrainConfig(lr=5e-2, betas=[0.8, 0.9], optimizer=optimizer)
+    old = Optimizers(trainable(warm.draft), theirs, total_steps=10, fused=False)
+    for _, p in trainable(warm.draft):
         p.grad = torch.randn_like(p)
     old.step()
-    torch.save({"optimizer": old.state_dict(), "step": 1}, source / "training_state.pt")
+    torch.save({"optimizer": old.state_dict()[0], "step": 1}, source / "training_state.pt")
     warm, _ = warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
-    fresh_params = [p for p in warm.draft.parameters() if p.requires_grad]
-    ours = DrafterTrainConfig(lr=1e-4)
-    new = torch.optim.AdamW(fresh_params, lr=ours.lr, betas=tuple(ours.betas))
-    continue_moments(new, warm.optimizer_state)
-    assert new.param_groups[0]["lr"] == 1e-4 and new.param_groups[0]["betas"] == (0.9, 0.95)
-    for index, p in enumerate(fresh_params):
-        assert torch.equal(new.state[p]["exp_avg"], old.state[params[index]]["exp_avg"])
+    ours = DrafterTrainConfig(lr=1e-4, optimizer=optimizer)
+    new = Optimizers(trainable(warm.draft), ours, total_steps=10, fused=False)
+    new.continue_moments(warm.optimizer_state)
+    assert new.parts["adamw"].param_groups[0]["lr"] == 1e-4 and new.parts["adamw"].param_groups[0]["initial_lr"] == 1e-4
+    assert new.parts["adamw"].param_groups[0]["betas"] == (0.9, 0.95)
+    assert set(new.parts) == ({"adamw", "muon"} if optimizer == "muon" else {"adamw"})
+    moment = {"adamw": "exp_avg", "muon": "momentum_buffer"}
+    for name, part in new.parts.items():
+        before = [p for group in old.parts[name].param_groups for p in group["params"]]
+        for index, p in enumerate(p for group in part.param_groups for p in group["params"]):
+            assert torch.equal(part.state[p][moment[name]], old.parts[name].state[before[index]][moment[name]])
+    other = Optimizers(trainable(warm.draft), DrafterTrainConfig(optimizer="adamw" if optimizer == "muon" else "muon"),
+                       total_steps=10, fused=False)
+    with pytest.raises(Exception, match="train.optimizer"):
+        other.continue_moments(warm.optimizer_state)
 
 
 def test_optimizer_state_must_fit_and_needs_keep(tmp_path, tiny_target_dir):
     source = make_drafter(tmp_path / "d")
     with pytest.raises(CheckpointError, match="no training_state.pt"):
         warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
-    torch.save({"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, source / "training_state.pt")
+    torch.save({"optimizer": {"adamw": {"state": {}, "param_groups": [{"params": [0]}]}}},
+               source / "training_state.pt")
     with pytest.raises(Exception, match="remap"):
         warm_start(tmp_path, tiny_target_dir, source, vocab="remap", resume_optimizer=True)
     warm, _ = warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
-    optimizer = torch.optim.AdamW([p for p in warm.draft.parameters() if p.requires_grad])
+    optimizers = Optimizers(trainable(warm.draft), DrafterTrainConfig(), total_steps=10, fused=False)
     with pytest.raises(Exception, match="does not fit"):
-        continue_moments(optimizer, warm.optimizer_state)
+        optimizers.continue_moments(warm.optimizer_state)
 
 
 class NeedsCode:

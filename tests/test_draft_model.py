@@ -22,10 +22,11 @@ from eagle3ops.modeling.draft import (
 V, VD, H = 40, 16, 32
 
 
-def make_draft(seed=0, heads=4, kv_heads=2) -> Eagle3Draft:
+def make_draft(seed=0, heads=4, kv_heads=2, eagle31=False) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, aux_layers=[1, 2, 3])
+                      vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, aux_layers=[1, 2, 3],
+                      fc_norm=eagle31, norm_output=eagle31)
     draft = Eagle3Draft(cfg)
     for p in draft.parameters():  # weights large enough that a mask error changes the outputs visibly
         torch.nn.init.normal_(p, std=0.3)
@@ -118,6 +119,67 @@ def test_serving_cache_matches_uncached_forward():
     torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-5, atol=1e-5)
     cache.crop(3)
     assert cache.length == 3
+
+
+def ttt_logits(draft, ids, aux, positions, steps: int, raise_positions: bool) -> list[torch.Tensor]:
+    """The logits of each TTT step as ttt_loss runs them: step k reads x_{t+k+1} (ids holds x_{t+1} at t)."""
+    hidden, context, outs = draft.fuse(aux), draft.ttt_context(positions, steps), []
+    for k in range(steps):
+        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, positions + k if raise_positions else positions,
+                                             context)
+        context = context.after(keys, values)
+        outs.append(logits)
+    return outs
+
+
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("kernel", ["reference", "flex"])
+def test_raised_ttt_positions_give_exactly_what_serving_drafts(eagle31, kernel):
+    """With raised positions TTT step k at t is the drafter serving t's k-th draft (decoding/drafting.py): the
+    prefix 0..t in the cache, then k steps at t + 1, ..., t + k, each fed the previous step's state. With fixed
+    positions step 0 still is, the later steps are not. Both TTT attention paths (the flex kernel on this CPU)."""
+    draft = make_draft(eagle31=eagle31)
+    draft.midlayer.self_attn.kernel = kernel
+    T, K = 10, 4
+    generator = torch.Generator().manual_seed(3)
+    ids, aux = torch.randint(0, V, (1, T + K), generator=generator), torch.randn(1, T, 3 * H, generator=generator)
+    positions = torch.arange(T)[None]
+    with torch.no_grad():
+        raised = ttt_logits(draft, ids[:, :T], aux, positions, K, raise_positions=True)
+        fixed = ttt_logits(draft, ids[:, :T], aux, positions, K, raise_positions=False)
+        for t in (2, 5):
+            cache = KVCache()
+            hidden, logits = draft.step(ids[:, : t + 1], draft.fuse(aux[:, : t + 1]), positions[:, : t + 1], cache)
+            hidden, served = hidden[:, -1:], [logits[:, -1]]
+            for k in range(1, K):
+                hidden, logits = draft.step(ids[:, t + k : t + k + 1], hidden, torch.tensor([[t + k]]), cache)
+                served.append(logits[:, -1])
+            for k in range(K):
+                torch.testing.assert_close(raised[k][:, t], served[k], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(fixed[0][:, t], served[0], rtol=1e-4, atol=1e-4)
+            assert not torch.allclose(fixed[2][:, t], served[2], rtol=1e-3, atol=1e-3)
+
+
+def test_eagle31_normalises_each_target_layer_and_carries_the_post_norm_state():
+    draft = make_draft(eagle31=True)
+    for norm in draft.fc_norm:  # distinct gains, so that a norm applied to the wrong slice shows
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    aux = torch.randn(2, 5, 3 * H)
+    scaled = aux.clone()
+    scaled[..., H : 2 * H] *= 1000.0  # a mid layer a thousand times louder: its own RMSNorm takes it out
+    with torch.no_grad():
+        torch.testing.assert_close(draft.fuse(scaled), draft.fuse(aux), rtol=1e-4, atol=1e-4)
+        layers = aux.chunk(3, dim=-1)
+        expected = draft.fc(torch.cat([F.rms_norm(x, (H,), norm.weight, 1e-6) for x, norm in zip(layers, draft.fc_norm)],
+                                      dim=-1))
+        torch.testing.assert_close(draft.fuse(aux), expected, rtol=1e-5, atol=1e-5)
+        positions, ids, fused = torch.arange(5).expand(2, 5), torch.randint(0, V, (2, 5)), draft.fuse(aux)
+        cos, sin = rotary(positions, draft.cfg.head_dim, draft.cfg.rope_theta)
+        layer_out, _, _ = draft.midlayer.forward_ttt(draft.embed_tokens(ids), fused, cos, sin,
+                                                     draft.ttt_context(positions, 1))
+        carried, logits, _, _ = draft(ids, fused, positions, draft.ttt_context(positions, 1))
+        torch.testing.assert_close(carried, draft.norm(layer_out))  # the next step's feature: the post-norm state
+        torch.testing.assert_close(logits, draft.lm_head(carried))  # which the head reads without a second norm
 
 
 def test_target_distribution_restricts_to_draft_vocab():

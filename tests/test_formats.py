@@ -25,11 +25,11 @@ AUX = [1, 2, 3]  # HF hidden-state indices; the tiny target has 4 decoder layers
 VD = 48  # draft vocabulary
 
 
-def make_drafter(vocab: int, draft_vocab: int = VD, aux=AUX, seed: int = 0) -> Eagle3Draft:
+def make_drafter(vocab: int, draft_vocab: int = VD, aux=AUX, seed: int = 0, eagle31: bool = False) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
                       vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=32, aux_layers=list(aux),
-                      max_position_embeddings=256)
+                      max_position_embeddings=256, fc_norm=eagle31, norm_output=eagle31)
     draft = Eagle3Draft(cfg)
     for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -141,6 +141,40 @@ def test_speculators_export_is_what_vllm_reads(ours, tmp_path, tiny_target_dir):
     spec = '{"method":"eagle3","model":"%s","num_speculative_tokens":5}' % (tmp_path / "spec")
     assert report.commands == [f"vllm serve {tiny_target_dir} --speculative-config '{spec}'",
                                f"vllm serve {tmp_path / 'spec'}"]
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_an_eagle31_drafter_exports_with_the_fields_and_keys_the_engines_read(fmt, tmp_path, vocab, target,
+                                                                              tiny_target_dir):
+    """fc_norm and norm_output at the top level of either layout's config.json (where speculators, SpecForge,
+    vLLM and SGLang read them), the norms as fc_norm.{0,1,2}.weight; read back identical, and lossless."""
+    draft = make_drafter(vocab, eagle31=True)
+    save_drafter(draft, tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["fc_norm"] is True
+    report = export_drafter(tmp_path / "ours", tmp_path / fmt, fmt, tiny_target_dir)
+    assert report.ok and report.warnings == [] and any("EAGLE-3.1" in note for note in report.notes), report.render()
+    config = json.loads((tmp_path / fmt / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    keys = set(load_file(str(tmp_path / fmt / "model.safetensors")))
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= keys
+    back = read_drafter(tmp_path / fmt)
+    assert back.cfg.fc_norm and back.cfg.norm_output
+    for name, tensor in stored(draft).items():
+        assert torch.equal(back.weights[name], tensor), name
+    served = load_drafter(tmp_path / "ours", target.get_input_embeddings().weight.detach())
+    assert served.cfg.norm_output and served.fc_norm is not None
+    assert_lossless(served, target)
+
+
+def test_an_eagle31_config_without_its_norms_or_the_reverse_is_refused(tmp_path, vocab):
+    save_drafter(make_drafter(vocab, eagle31=True), tmp_path / "a")
+    edit_config(tmp_path / "a", fc_norm=False)
+    with pytest.raises(CheckpointError, match="fc_norm: false .* hold fc_norm"):
+        read_drafter(tmp_path / "a")
+    save_drafter(make_drafter(vocab), tmp_path / "b")
+    edit_config(tmp_path / "b", fc_norm=True)
+    with pytest.raises(CheckpointError, match="fc_norm: true .* lack fc_norm"):
+        read_drafter(tmp_path / "b")
 
 
 def test_export_casts_to_the_requested_dtype(ours, tmp_path, tiny_target_dir):

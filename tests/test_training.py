@@ -1,4 +1,7 @@
-"""The training loop's parts: packing samples into rows, assembling them, and the float32 master weights."""
+"""The training loop's parts: packing samples into rows, assembling them, the float32 master weights, and the
+variants of training (optimizer, TTT positions, EAGLE-3.1) resuming exactly."""
+import copy
+
 import pytest
 import torch
 
@@ -128,3 +131,46 @@ def test_a_run_reports_the_padded_share_of_its_rows():
     result, _ = train_drafter(Recipe(draft, samples, [], torch.randn(24, 16), optim, 0, torch.device("cpu")))
     rows = sum(len(batch) for epoch in schedule(samples, 16, 2, 0, 2) for batch in epoch)
     assert result.tokens == 2 * 43 and result.padding_share == pytest.approx(1 - 86 / (rows * 16))
+
+
+@pytest.mark.parametrize("variant", [{"optimizer": "muon"}, {"optimizer": "muon", "muon_lr": 0.05},
+                                     {"ttt_positions": "raised"}, {"eagle31": True}],
+                         ids=["muon", "muon_lr", "raised", "eagle3.1"])
+def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterrupted_run(variant):
+    """Muon (beside AdamW, each with its schedule), raised TTT positions and EAGLE-3.1: the held-out loss falls, and a
+    run continued from its resume point (the optimizers' and schedules' states by name) ends bit for bit where the
+    uninterrupted run does."""
+    from eagle3ops.config import DrafterTrainConfig
+    from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
+
+    settings = {key: value for key, value in variant.items() if key != "eagle31"}
+    optim = DrafterTrainConfig(epochs=3, batch_size=2, packed_length=48, lr=3e-3, ttt_steps=3, log_every=1,
+                               checkpoint_every=2, **settings)
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 24, (n,), generator=generator),
+                "loss_mask": torch.ones(n, dtype=torch.uint8), "aux_hidden": torch.randn(n, 48, generator=generator),
+                "final_hidden": torch.randn(n, 16, generator=generator)} for n in range(8, 30, 2)]
+    head = torch.randn(24, 16, generator=generator)
+
+    def drafter() -> Eagle3Draft:
+        torch.manual_seed(1)
+        draft = Eagle3Draft(DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=24, draft_vocab_size=24, target_hidden_size=16,
+                                        fc_norm=bool(variant.get("eagle31")), norm_output=bool(variant.get("eagle31"))))
+        draft.t2d.fill_(True)
+        return draft
+
+    def run(draft, state=None, hooks=Hooks()):
+        return train_drafter(Recipe(draft, samples, samples[:4], head, optim, 0, torch.device("cpu")), hooks, state)
+
+    whole = drafter()
+    result = run(whole)[0]
+    assert result.steps >= 6 and result.final["eval/loss"] < result.history[0]["train/loss"]
+    saved = []
+    run(drafter(), hooks=Hooks(checkpoint=lambda state: saved.append(copy.deepcopy(state.to_dict()))))  # as saved
+    resumed_point = TrainState.from_dict(saved[1])
+    assert set(resumed_point.optimizer) == ({"adamw", "muon"} if "optimizer" in variant else {"adamw"})
+    resumed = drafter()
+    run(resumed, resumed_point)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

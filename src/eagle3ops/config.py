@@ -51,7 +51,9 @@ ExtractBackend = choices("ExtractBackend", "hf", "import")
 ImportFormat = choices("ImportFormat", "speculators", "specforge")
 TrainInit = choices("TrainInit", "scratch", "warm_start")
 HiddenStates = choices("HiddenStates", "offline", "online")
-WarmStartVocab = choices("WarmStartVocab", "keep", "remap")
+WarmStartVocab = choices("WarmStartVocab", "auto", "keep", "remap")
+TTTPositions = choices("TTTPositions", "fixed", "raised")
+Optimizer = choices("Optimizer", "adamw", "muon")
 EvalDrafter = choices("EvalDrafter", "baseline", "scratch", "warm_start")
 EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
 PromptSetFormat = choices("PromptSetFormat", "chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
@@ -127,12 +129,15 @@ class DraftShapeConfig(Section):
     max_position_embeddings: Optional[int] = None
     head_dim: Optional[int] = None  # null = hidden_size // num_attention_heads (the K2 drafter: 128, not 112)
     rope_theta: Optional[float] = None
+    # EAGLE-3.1 (modeling/draft.py): an RMSNorm per target layer before fc, and the post-norm state carried
+    fc_norm: bool = False
+    norm_output: bool = False
 
 
 @dataclass
 class DrafterTrainConfig(Section):
-    """Drafter training: AdamW, linear warmup then cosine decay, gradient clipping, and the training-time test
-    (TTT): `ttt_steps` draft steps, each step's loss weighted by loss_decay**k."""
+    """Drafter training: AdamW (or Muon for the matrices), linear warmup then cosine decay, gradient clipping, and
+    the training-time test (TTT): `ttt_steps` draft steps, each step's loss weighted by loss_decay**k."""
     epochs: int = 1
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
     batch_size: int = 2  # packed rows a step: the global batch, shared by the ranks
@@ -146,6 +151,11 @@ class DrafterTrainConfig(Section):
     checkpoint_every: int = 100  # steps between resume points (0 = none); see resume.py
     ttt_steps: int = 7
     loss_decay: float = 0.8
+    # fixed: every TTT step at the sample's positions; raised: step k at t + k, as vLLM and SGLang draft
+    ttt_positions: TTTPositions = TTTPositions.fixed
+    # muon: torch.optim.Muon for the 2-D weights but lm_head, AdamW for the rest (training/optimizers.py)
+    optimizer: Optimizer = Optimizer.adamw
+    muon_lr: Optional[float] = None  # null = 10 x lr (speculators' default)
     draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)
 
     def check(self) -> Iterator[tuple[str, str]]:
@@ -157,6 +167,8 @@ class DrafterTrainConfig(Section):
             yield "packed_length", "must be at least 2"
         if self.ttt_steps < 1:
             yield "ttt_steps", "must be at least 1"
+        if self.muon_lr is not None and self.optimizer != Optimizer.muon:
+            yield "muon_lr", f"sets Muon's learning rate, but the optimizer is {self.optimizer}"
 
 
 @dataclass
@@ -317,9 +329,10 @@ class SimulateConfig(Section):
 class TrainConfig(DrafterTrainConfig):
     out_dir: str = "models/drafters"
     warm_start: str = "models/zoo/predecessor-drafter"  # the drafter `train@warm_start` fine-tunes
-    # keep: its own draft vocabulary (d2t/t2d) and head; remap: re-head it on the new data's draft vocabulary
-    warm_start_vocab: WarmStartVocab = WarmStartVocab.keep
-    warm_start_optimizer: bool = False  # continue its AdamW moments (needs its training_state.pt; keep only)
+    # keep: its own draft vocabulary (d2t/t2d) and head; remap: re-head it on the new data's draft vocabulary;
+    # auto: remap when check-compat says needs_new_head, keep otherwise
+    warm_start_vocab: WarmStartVocab = WarmStartVocab.auto
+    warm_start_optimizer: bool = False  # continue its AdamW moments (needs its training_state.pt; not re-headed)
     warm_start_min_coverage: float = 0.9  # below this draft-vocab coverage of the new data: "needs a new head"
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     # offline: from the extract stage's shards; online: from the target, run beside the drafter, none stored

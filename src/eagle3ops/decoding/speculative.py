@@ -17,7 +17,7 @@ Public API:
     target_generate(target, prompts, max_new_tokens, eos_ids, temperature=0.0, top_p=1.0, seed=0) -> list[list[int]]
     target_greedy(target, prompt_ids, max_new_tokens, eos_ids) -> list[int]      (the unbatched greedy reference)
     speculative_greedy(target, draft, prompt_ids, k, max_new_tokens, eos_ids) -> (tokens, AcceptanceStats)
-    SpecSettings (settings.py), AcceptanceStats
+    SpecSettings (settings.py), AcceptanceStats, tau_interval(per_prompt stats) -> (low, high)
 Row i of a batch samples with its own generator seeded seed + i, so a row's output does not depend on the batch.
 """
 from __future__ import annotations
@@ -71,6 +71,24 @@ class AcceptanceStats:
     @property
     def per_position(self) -> list[float]:
         return [a / self.steps if self.steps else 0.0 for a in self.accepted_at]
+
+
+def tau_interval(per_prompt: list[AcceptanceStats], confidence: float = 0.95, resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of tau over prompts: the prompts drawn again with replacement, tau of each
+    draw pooled as the engines pool it (1 + accepted / steps over the drawn prompts). Prompts, not steps, are the
+    unit: a prompt's steps are not independent of each other. Deterministic for a seed."""
+    steps = torch.tensor([float(one.steps) for one in per_prompt], dtype=torch.float64)
+    accepted = torch.tensor([float(one.accepted) for one in per_prompt], dtype=torch.float64)
+    if len(per_prompt) < 2 or not steps.sum():
+        tau = AcceptanceStats.merged(0, per_prompt).tau
+        return tau, tau
+    draws = torch.randint(len(per_prompt), (resamples, len(per_prompt)),
+                          generator=torch.Generator().manual_seed(seed))  # [resamples, prompts]
+    taus = 1.0 + accepted[draws].sum(-1) / steps[draws].sum(-1).clamp(min=1)
+    tail = (1.0 - confidence) / 2
+    low, high = torch.quantile(taus, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return low, high
 
 
 @dataclass

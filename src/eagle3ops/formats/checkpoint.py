@@ -194,6 +194,9 @@ def _check_fit(cfg: DraftConfig, tensors: dict[str, torch.Tensor], raw: RawCheck
     fc = tensors.get("fc.weight")
     if problems and fc is not None and fc.dim() == 2 and fc.shape[1] == 2 * cfg.hidden_size:
         problems.append("fc fuses 2 x hidden: an EAGLE-1/EAGLE-2 drafter, not EAGLE-3")
+    if any(name.startswith("fc_norm.") for name in tensors) != cfg.fc_norm:
+        problems.append(f"the config says fc_norm: {str(cfg.fc_norm).lower()} (EAGLE-3.1's norms before fc) but the "
+                        f"weights {'lack' if cfg.fc_norm else 'hold'} fc_norm.*")
     if problems:
         raise CheckpointError(f"{raw.weights_path}: does not fit {raw.config_path.name} ({LAYOUTS[raw.layout]}):\n  "
                               + "\n  ".join(problems))

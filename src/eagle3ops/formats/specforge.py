@@ -1,7 +1,9 @@
 """Drafter checkpoints in the SpecForge / SGLang "LlamaForCausalLMEagle3" layout.
 
-    <dir>/config.json          architectures ["LlamaForCausalLMEagle3"], eagle_config {...}
-    <dir>/model.safetensors    fc, midlayer.*, norm, lm_head, d2t, t2d (no embedding: it is the target's)
+    <dir>/config.json          architectures ["LlamaForCausalLMEagle3"], eagle_config {...}, fc_norm and
+                               norm_output (EAGLE-3.1, top level as SpecForge writes them; absent = false)
+    <dir>/model.safetensors    fc, fc_norm.{0,1,2} (EAGLE-3.1), midlayer.*, norm, lm_head, d2t, t2d (no embedding:
+                               it is the target's)
     <dir>/training_state.pt    optional: optimizer, scheduler, step, RNG states, for resuming
 
 `eagle_aux_hidden_state_layer_ids` is written in SGLang's convention (id i = output of decoder layer i), which
@@ -38,11 +40,17 @@ def to_hf_config(cfg: DraftConfig, torch_dtype: str = "float32", rope_scaling: d
         **llama_layer_config(cfg, torch_dtype, rope_scaling),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
+        **eagle31_fields(cfg),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": from_hf(cfg.aux_layers, "sglang"),
             "use_aux_hidden_state": True,
         },
     }
+
+
+def eagle31_fields(cfg: DraftConfig) -> dict:
+    """The EAGLE-3.1 switches, named and placed (top level) as speculators, SpecForge, vLLM and SGLang read them."""
+    return {"fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
 
 
 def llama_layer_config(cfg: DraftConfig, torch_dtype: str, rope_scaling: dict | None) -> dict:
@@ -83,6 +91,8 @@ def from_hf_config(config: dict, where: str) -> DraftConfig:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope_theta=rope_settings(config)[0],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            fc_norm=bool(config.get("fc_norm", False)),
+            norm_output=bool(config.get("norm_output", False)),
         )
     except KeyError as err:
         raise CheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None

@@ -3,10 +3,13 @@
     <dir>/config.json          architectures ["Eagle3Speculator"], speculators_model_type "eagle3",
                                transformer_layer_config (the 1-layer Llama config: sizes, vocab_size, positions,
                                rope), draft_vocab_size, target_hidden_size, norm_before_residual,
+                               fc_norm and norm_output (EAGLE-3.1),
                                eagle_aux_hidden_state_layer_ids (vLLM's convention: HF hidden-state indices),
                                speculators_config {algorithm, proposal_methods, default_proposal_method,
                                verifier {name_or_path, architectures}}
-    <dir>/model.safetensors    fc, layers.0.* (our midlayer.*), norm, lm_head, d2t, t2d
+    <dir>/model.safetensors    fc, fc_norm.{0,1,2} (EAGLE-3.1), layers.0.* (our midlayer.*), norm, lm_head, d2t,
+                               t2d; no embed_tokens: vLLM shares the target's (the speculators library itself
+                               needs it copied in: docs/serving.md)
 
 vLLM builds the drafter's config from transformer_layer_config plus the top-level EAGLE-3 fields, and reads a
 missing norm_before_residual as true; our drafter keeps the un-normed feature as its residual, so the export
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from eagle3ops.formats.conventions import from_hf, rope_settings, to_hf
-from eagle3ops.formats.specforge import CheckpointError, llama_layer_config
+from eagle3ops.formats.specforge import CheckpointError, eagle31_fields, llama_layer_config
 from eagle3ops.modeling.draft import DraftConfig
 
 ARCHITECTURE = "Eagle3Speculator"
@@ -35,6 +38,7 @@ def to_speculators_config(cfg: DraftConfig, torch_dtype: str, rope_scaling: dict
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": False,
+        **eagle31_fields(cfg),
         "eagle_aux_hidden_state_layer_ids": from_hf(cfg.aux_layers, "vllm"),
         "torch_dtype": torch_dtype,
         "speculators_config": {
@@ -79,6 +83,8 @@ def from_speculators_config(config: dict, where: str) -> tuple[DraftConfig, dict
             max_position_embeddings=layer.get("max_position_embeddings", 4096),
             rope_theta=theta,
             rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+            fc_norm=bool(config.get("fc_norm", False)),
+            norm_output=bool(config.get("norm_output", False)),
         )
     except KeyError as err:
         raise CheckpointError(f"{where}: transformer_layer_config lacks {err.args[0]!r}") from None

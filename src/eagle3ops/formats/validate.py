@@ -136,6 +136,14 @@ def _check_config(report: ExportReport, raw: RawCheckpoint, target_dir: str | Pa
         _check_speculators_config(report, config.get("speculators_config"), where, target_dir)
     if layer.get("tie_word_embeddings"):
         report.errors.append(f"{where}: tie_word_embeddings is true: the engines would use the embedding as lm_head")
+    for flag in ("fc_norm", "norm_output"):
+        if not isinstance(config.get(flag, False), bool):
+            report.errors.append(f"{where}: {flag} is {config[flag]!r}; the engines read a boolean")
+    if config.get("fc_norm") is True or config.get("norm_output") is True:
+        report.notes.append(f"EAGLE-3.1 (fc_norm {config.get('fc_norm', False)}, norm_output "
+                            f"{config.get('norm_output', False)}): serve it with an engine that reads these fields "
+                            f"(vLLM and SGLang releases with EAGLE-3.1); an older one refuses the fc_norm weights "
+                            f"or feeds the next draft step the pre-norm state")
 
 
 def _check_speculators_config(report: ExportReport, spec, where: Path, target_dir: str | Path) -> None:

@@ -8,8 +8,12 @@ of the next token x_{t+1}, and predicts x_{t+2}. One Llama decoder layer whose a
 cat(input_layernorm(embedding), hidden_norm(feature)); the residual stream is the feature. Its pre-norm output
 is the feature for the next draft step, at training time (TTT) and when serving.
 
-Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` checkpoints (`fc`, `midlayer.*`,
-`norm`, `lm_head`, buffers `d2t`, `t2d`); the embedding is the target's, frozen, and never saved.
+EAGLE-3.1 (DraftConfig.fc_norm, .norm_output; speculators, SpecForge and vLLM name them alike) adds one RMSNorm per
+target layer before fc (`fc_norm.{0,1,2}`), and carries the post-norm state instead: the head reads it without a
+second norm, and it is the feature of the next draft step.
+
+Parameter names are those of SpecForge / SGLang's `LlamaForCausalLMEagle3` checkpoints (`fc`, `fc_norm.*`,
+`midlayer.*`, `norm`, `lm_head`, buffers `d2t`, `t2d`); the embedding is the target's, frozen, and never saved.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     head_dim: int | None = None
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm over each target layer's features before fc
+    norm_output: bool = False  # EAGLE-3.1: the post-norm state goes to the head and to the next draft step
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -348,6 +354,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.zeros(cfg.vocab_size,
                                                                                              cfg.hidden_size),
                                          _freeze=True)
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
+                        if cfg.fc_norm else None)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -356,32 +364,37 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, 3Ht] target features -> [B, T, H]."""
+        """[B, T, 3Ht] target features (low, mid, high) -> [B, T, H]; EAGLE-3.1 normalises each layer's first."""
+        if self.fc_norm is not None:
+            layers = aux_hidden.chunk(3, dim=-1)  # 3 x [B, T, Ht]
+            aux_hidden = torch.cat([norm(layer) for norm, layer in zip(self.fc_norm, layers)], dim=-1)
         return self.fc(aux_hidden)
 
     def forward(self, input_ids, hidden, positions, context: TTTContext):
-        """One training-time-test step: input_ids [B, T], hidden [B, T, H], positions [B, T] (each document's own)
-        -> (hidden out [B, T, H], draft logits [B, T, Vd], this step's keys and values [B, nkv, T, hd] for
-        `context.after`). What a training loop compiles (`module.compile()`); serving calls `step`, never compiled."""
+        """One training-time-test step: input_ids [B, T], hidden [B, T, H], positions [B, T] (the step's rotary
+        positions) -> (hidden out [B, T, H] (the next step's feature), draft logits [B, T, Vd], this step's keys and
+        values [B, nkv, T, hd] for `context.after`). What a training loop compiles (`module.compile()`); serving
+        calls `step`, never compiled."""
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
         hidden, keys, values = self.midlayer.forward_ttt(self.embed_tokens(input_ids), hidden, cos, sin, context)
-        return hidden, self.head(hidden), keys, values
+        return *self.output(hidden), keys, values
 
     def step(self, input_ids, hidden, positions, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One serving step over new positions, attending to `kv_cache` (shapes as `forward`'s)."""
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv_cache)
-        return hidden, self.head(hidden)
+        return self.output(self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv_cache))
+
+    def output(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's output [B, T, H] -> (the feature of the next draft step [B, T, H], draft logits
+        [B, T, Vd]): EAGLE-3 carries the pre-norm state, EAGLE-3.1 the post-norm one, which the head reads as is."""
+        normed = self.norm(hidden)
+        return normed if self.cfg.norm_output else hidden, self.lm_head(normed)
 
     def ttt_context(self, positions: torch.Tensor, ttt_steps: int) -> TTTContext:
         """Step 0's context for a batch of packed rows (positions [B, T], each document's own from 0)."""
         documents = document_ids(positions)
         flex = self.midlayer.self_attn.uses_flex(positions.device)
         return TTTContext(documents, document_block_mask(documents) if flex else None, slots=max(1, ttt_steps - 2))
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, H] -> draft logits [B, T, Vd]."""
-        return self.lm_head(self.norm(hidden))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -439,7 +452,8 @@ def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, target_top:
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, positions, lm_head_weight,
-             ttt_steps: int = 7, decay: float = 0.8, normaliser=None, cross_entropy=soft_cross_entropy) -> TTTResult:
+             ttt_steps: int = 7, decay: float = 0.8, normaliser=None, cross_entropy=soft_cross_entropy,
+             raise_positions: bool = False) -> TTTResult:
     """Training-time test over packed rows: K draft steps, each feeding its own output hidden state to the next.
 
     input_ids, loss_mask, positions [B, T]; aux_hidden [B, T, 3Ht]; final_hidden [B, T, Ht]. A row holds whole
@@ -453,6 +467,12 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     past the end, as the document alone would see), not the counted positions; a document's losses and gradients
     are those it has trained alone. The target side is computed once, padded by K + 1 positions, and read through
     views at each step's offset: every step's loss has the same shapes, never a copy.
+
+    Rotary positions: every step at the document's own positions (`raise_positions` false, SpecForge's sdpa
+    backend), or step k at t + k (true): what t's k-th draft has when vLLM and SGLang serve it (decoding/drafting.py
+    does the same), and what speculators' trainer and SpecForge's flex backend train with. Only the relative
+    positions in the picture of TTTContext change: step k's query at t + k against step 0's keys at s <= t and the
+    own-position keys of steps j at t + j.
 
     Each step's loss is its summed soft cross-entropy over the counted positions divided by their count (at
     least 1); `normaliser` (data-parallel training: distributed.global_normaliser) maps that count [] to
@@ -473,7 +493,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     total = hidden.new_zeros((), dtype=torch.float32)
     per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
     for k in range(ttt_steps):
-        hidden, logits, keys, values = draft(next_ids, hidden, positions, context)
+        hidden, logits, keys, values = draft(next_ids, hidden, positions + k if raise_positions else positions, context)
         if k + 1 < ttt_steps:
             context = context.after(keys, values)
         target = slice(k + 1, k + 1 + T)  # the target side of position t: t + k + 1

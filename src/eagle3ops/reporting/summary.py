@@ -29,7 +29,8 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
         if m is None:
             continue
         train = metrics.get(f"train-{drafter}", {})
-        rows.append({"drafter": drafter, "tau": m["tau"],
+        interval = (f"{m['tau_ci_low']:.2f}-{m['tau_ci_high']:.2f}" if "tau_ci_low" in m else "not measured")
+        rows.append({"drafter": drafter, "tau": m["tau"], "tau 95% CI": interval,
                      **{f"a{i}": m[f"accept_{i}"] for i in range(1, draft_positions(m) + 1)},
                      "lossless": ("yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)")
                      if "lossless" in m else "not checked",  # sampled, or measured on an engine: no reference
@@ -172,8 +173,9 @@ def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | N
     timings = timing_table(metrics)
     lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
              markdown_table(acceptance, ".3f"), "",
-             "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); a_i = share "
-             "of steps whose i-th draft was accepted; vocab coverage = share of the target's tokens inside the "
+             "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); 95% CI = "
+             "its bootstrap interval over the prompts (two drafters whose intervals overlap are not clearly "
+             "apart); a_i = share of steps whose i-th draft was accepted; vocab coverage = share of the target's tokens inside the "
              "drafter's vocabulary (a warm start keeps its own).", "",
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
              "![tau by set](tau_by_set.png)", "",

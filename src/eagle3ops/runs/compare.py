@@ -125,6 +125,8 @@ def side_by_side(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     for drafter in EvalDrafter:
         stage = f"eval@{drafter}"
         rows[f"{drafter} tau"] = [r.metric(stage, "tau") for r in records]
+        rows[f"{drafter} tau 95% low"] = [r.metric(stage, "tau_ci_low") for r in records]
+        rows[f"{drafter} tau 95% high"] = [r.metric(stage, "tau_ci_high") for r in records]
         k = max((draft_positions(r.stages[stage].metrics) for r in records if stage in r.stages), default=0)
         for i in range(1, k + 1):
             rows[f"{drafter} a{i}"] = [r.metric(stage, f"accept_{i}") for r in records]
@@ -196,8 +198,17 @@ def _tau_deltas(reference: PipelineRecord, other: PipelineRecord) -> list[str]:
         stage = f"eval@{drafter}"
         ref, run = reference.metric(stage, "tau"), other.metric(stage, "tau")
         if ref is not None and run is not None and not _same_run(stage, reference, other):
-            deltas.append(f"{drafter} {run - ref:+.2f} tau")
+            deltas.append(f"{drafter} {run - ref:+.2f} tau{_overlap(stage, reference, other)}")
     return deltas
+
+
+def _overlap(stage: str, reference: PipelineRecord, other: PipelineRecord) -> str:
+    """Whether the two runs' 95% intervals of tau overlap: then the change is not clearly more than noise."""
+    intervals = [(r.metric(stage, "tau_ci_low"), r.metric(stage, "tau_ci_high")) for r in (reference, other)]
+    if any(bound is None for interval in intervals for bound in interval):
+        return ""
+    (low_a, high_a), (low_b, high_b) = intervals
+    return " (95% intervals overlap: within noise)" if low_a <= high_b and low_b <= high_a else ""
 
 
 def against_reference(records: Sequence[PipelineRecord]) -> list[str]:
@@ -250,7 +261,8 @@ def markdown(records: Sequence[PipelineRecord]) -> str:
     if warnings:
         lines += ["## Warnings", "", *(f"- {line}" for line in warnings), ""]
     lines += ["## Side by side", "", markdown_table(table, ",.10g"), "",
-             "tau = tokens per target verification step (bonus token included); a_i = share of steps whose i-th "
+             "tau = tokens per target verification step (bonus token included); tau 95% low/high = its bootstrap "
+             "interval over the prompts; a_i = share of steps whose i-th "
              "draft was accepted; s = seconds of the phase; tok/s = its tokens per second (eval: speculative "
              "decoding); load = loading the target, as the extract stage times it.", ""]
     if cached:

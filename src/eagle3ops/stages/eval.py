@@ -13,7 +13,7 @@ from eagle3ops.data.benchmarks import load_sets
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import measure
 from eagle3ops.decoding.settings import SpecSettings
-from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate
+from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
 from eagle3ops.progress import progress
@@ -28,10 +28,16 @@ def drafter_path(cfg: Config, drafter: str) -> Path:
     return Path(cfg.train.warm_start) if drafter == "baseline" else Path(cfg.train.out_dir) / drafter
 
 
-def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceStats], prompts_by_set: dict[str, int]
-                      ) -> dict:
-    """tau, per-position acceptance and counts, overall and per prompt set: what every backend reports."""
-    return {"tau": round(overall.tau, 4), **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
+def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceStats], prompts_by_set: dict[str, int],
+                      per_prompt: list[AcceptanceStats] | None = None, seed: int = 0) -> dict:
+    """tau, per-position acceptance and counts, overall and per prompt set: what every backend reports; and, where
+    each prompt's counts are known (the hf backend), tau's 95% bootstrap interval over the prompts."""
+    interval = {}
+    if per_prompt:
+        low, high = tau_interval(per_prompt, seed=seed)
+        interval = {"tau_ci_low": round(low, 4), "tau_ci_high": round(high, 4)}
+    return {"tau": round(overall.tau, 4), **interval,
+            **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
             "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
             "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
             "prompts_by_set": prompts_by_set}
@@ -55,6 +61,7 @@ def run(cfg: Config, drafter: str) -> None:
         eos = {tokenizer.eos_token_id}
         settings, batch_size = SpecSettings.from_config(cfg.eval), cfg.eval.batch_size
         overall, per_set = AcceptanceStats(cfg.eval.k), defaultdict(lambda: AcceptanceStats(cfg.eval.k))
+        per_prompt = []
         mismatched, spec_s, plain_s, spec_tokens, plain_tokens, in_vocab = [], 0.0, 0.0, 0, 0, 0
         with tracked.phase("decode"), progress(len(prompts), f"eval@{drafter}", "prompt") as bar:
             for first in range(0, len(prompts), batch_size):
@@ -75,10 +82,12 @@ def run(cfg: Config, drafter: str) -> None:
                         mismatched.append(prompt["id"])
                     overall.merge(generation.stats)
                     per_set[prompt["set"]].merge(generation.stats)
+                    per_prompt.append(generation.stats)
                 bar.update(len(chunk))
         if mismatched:
             tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
-        fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()})
+        fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()},
+                                   per_prompt, cfg.seed)
         _register(cfg, tracked, drafter, path, fields, identity,
                   ("no" if mismatched else "yes") if settings.greedy else "not checked")
         _log_per_set(tracked, fields)

@@ -145,10 +145,13 @@ def _simulator(cfg: Config, eval_samples: list[dict], online: TargetStates | Non
 
 def _log_warm_start(tracked, warm: WarmStart) -> None:
     print(warm.compat.render(), flush=True)
-    if warm.compat.verdict == "needs_new_head" and warm.remapped_rows is None:
-        print("train@warm_start: warning: fine-tuning with the source's draft vocabulary as it is "
-              "(train.warm_start_vocab: keep)", flush=True)
-    tracked.set_tags({"eagle3ops.warm_start.sha256": warm.sha256, "eagle3ops.warm_start.compat": warm.compat.verdict})
+    if warm.compat.verdict == "needs_new_head":
+        print("train@warm_start: " + (f"re-headed on this data's draft vocabulary ({warm.remapped_rows} new rows)"
+                                      if warm.vocab == "remap" else
+                                      "warning: fine-tuning with the source's draft vocabulary as it is "
+                                      "(train.warm_start_vocab: keep)"), flush=True)
+    tracked.set_tags({"eagle3ops.warm_start.sha256": warm.sha256, "eagle3ops.warm_start.compat": warm.compat.verdict,
+                      "eagle3ops.warm_start.vocab": warm.vocab})
     with tempfile.TemporaryDirectory() as tmp:
         write_json_atomic(Path(tmp) / "compat.json", warm.compat.to_dict())
         tracked.log_artifact(Path(tmp) / "compat.json")

@@ -35,7 +35,7 @@ class IncompatibleDrafter(InputError):
 
 @dataclass
 class Finding:
-    check: str  # vocabulary | hidden_size | layers | draft_vocab | attention | positions | rope
+    check: str  # vocabulary | hidden_size | layers | draft_vocab | attention | positions | rope | variant
     level: str  # ok | warning | needs_new_head | incompatible
     message: str
 
@@ -81,9 +81,17 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
     _hidden_size(report, cfg, target)
     _layers(report, cfg, target, aux_layers)
     _attention(report, cfg, target)
+    _variant(report, cfg)
     if data_counts is not None:
         _draft_vocab(report, cfg, checkpoint.weights["t2d"], data_counts, min_coverage)
     return report
+
+
+def _variant(report: CompatReport, cfg: DraftConfig) -> None:
+    parts = [part for part, on in (("fc_norm: an RMSNorm per target layer before fc", cfg.fc_norm),
+                                   ("norm_output: the post-norm state carried to the next step", cfg.norm_output)) if on]
+    report.add("variant", "ok", "EAGLE-3.1 (" + "; ".join(parts) + "): the engine serving it must read these fields"
+               if parts else "EAGLE-3")
 
 
 def _vocabulary(report: CompatReport, cfg: DraftConfig, target: dict) -> None:

@@ -4,7 +4,9 @@
   data would silently give every row another token's meaning.
 - When its draft vocabulary covers too little of the new data (`check-compat` says needs_new_head),
   `train.warm_start_vocab: remap` re-heads it instead: the new data's draft vocabulary, with the old lm_head
-  row for every token both vocabularies share and the target's own lm_head row for each new token.
+  row for every token both vocabularies share and the target's own lm_head row for each new token. `auto` (the
+  default) re-heads exactly then: a head whose vocabulary misses the new data's tokens is a guaranteed rejection
+  on each of them, and fine-tuning cannot teach it tokens it has no row for.
 - `train.warm_start_optimizer: true` also continues the source's AdamW moments (when it was saved with them).
 - The source's files are digested (sha256), so the lineage says exactly which drafter was fine-tuned.
 """
@@ -32,6 +34,7 @@ class WarmStart:
     draft: Eagle3Draft
     compat: CompatReport
     sha256: str  # of the source drafter's files
+    vocab: str  # keep | remap: what was done (train.warm_start_vocab auto resolved by the check's verdict)
     remapped_rows: int | None = None  # new-vocabulary rows that had no row in the source head (remap only)
     optimizer_state: dict | None = None
 
@@ -66,7 +69,7 @@ def rehead(draft: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_h
 
 def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch.Tensor, lm_head: torch.Tensor,
                     aux_layers: list[int], counts: Counter, new_vocab: tuple[torch.Tensor, torch.Tensor],
-                    vocab: str = "keep", resume_optimizer: bool = False,
+                    vocab: str = TrainConfig.warm_start_vocab, resume_optimizer: bool = False,
                     min_coverage: float = TrainConfig.warm_start_min_coverage) -> WarmStart:
     """The source drafter, after `check_compat` against the target and the new data's loss-masked token counts.
 
@@ -80,12 +83,16 @@ def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch
         raise CheckpointError(f"{source}: {layers.message}")
     draft = load_any_drafter(source, embedding)
     sha = drafter_sha256(source)
-    if vocab == "keep":
-        return WarmStart(draft, report, sha, optimizer_state=_optimizer_state(source) if resume_optimizer else None)
+    chosen = vocab if vocab != "auto" else "remap" if report.verdict == "needs_new_head" else "keep"
+    if chosen == "keep":
+        return WarmStart(draft, report, sha, "keep",
+                         optimizer_state=_optimizer_state(source) if resume_optimizer else None)
     if resume_optimizer:
-        raise InputError("train.warm_start_optimizer: the source's optimizer moments belong to its old head; "
-                         "they cannot be continued with train.warm_start_vocab: remap")
-    return WarmStart(draft, report, sha, remapped_rows=rehead(draft, *new_vocab, lm_head))
+        why = "remap" if vocab == "remap" else "auto, and check-compat says needs_new_head"
+        raise InputError(f"train.warm_start_optimizer: the source's optimizer moments belong to its old head; "
+                         f"they cannot be continued when the drafter is re-headed (train.warm_start_vocab: {why}); "
+                         f"set train.warm_start_vocab: keep to keep its head and moments")
+    return WarmStart(draft, report, sha, "remap", remapped_rows=rehead(draft, *new_vocab, lm_head))
 
 
 def _optimizer_state(source: str | Path) -> dict:
@@ -130,6 +137,8 @@ def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], e
         rope_theta=shape.rope_theta or rope_theta(target_config),
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
         head_dim=shape.head_dim,
+        fc_norm=shape.fc_norm,
+        norm_output=shape.norm_output,
     )
     draft = Eagle3Draft(cfg)
     draft.embed_tokens.weight.data.copy_(embedding)

@@ -4,8 +4,8 @@
                                   Hooks(log=..., checkpoint=...), state)
 
 Each optimizer step: the TTT loss of modeling/draft.py on one batch of packed rows (training/data.py), its
-gradients, clipping, AdamW, and the learning rate's linear warmup then cosine decay. The compile policy is the
-loop's (`prepare_for_training`).
+gradients, clipping, and the optimizers with their learning rates' warmup then cosine decay (training/optimizers.py:
+AdamW, or Muon for the matrices). The compile policy is the loop's (`prepare_for_training`).
 Under torchrun the ranks share each global batch (training/distributed.py); the result is the single process's.
 A TrainState passed back continues the run exactly: the same batches, optimizer, scheduler and RNG, so the
 weights end as those of an uninterrupted run.
@@ -41,6 +41,7 @@ from eagle3ops.training.data import (
     to_device,
 )
 from eagle3ops.training.distributed import World
+from eagle3ops.training.optimizers import Optimizers
 
 
 # Compiled graphs and kernels (Inductor's and Triton's caches), kept for the next process: a resumed or re-run stage,
@@ -59,7 +60,7 @@ class Recipe:
     seed: int
     device: torch.device
     world: World | None = None  # None: the process group this process has joined, or this process alone
-    warm_moments: dict | None = None  # a warm start's AdamW state, continued under this run's settings
+    warm_moments: dict | None = None  # a warm start's optimizer states, continued under this run's settings
     # None: the samples carry their hidden states (offline); else (rows, assembled batch) -> the batch with them,
     # from the target running beside training (training/online.py)
     hidden_states: Callable[[list, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
@@ -81,7 +82,7 @@ class TrainState:
     weights_only), and, without the weights, what is saved beside a trained drafter."""
     step: int
     tokens: int
-    optimizer: dict
+    optimizer: dict  # by name (training/optimizers.py)
     scheduler: dict
     torch_rng: torch.Tensor
     history: list[dict[str, float]] = field(default_factory=list)  # the logged rows, for plots/train-<init>.csv
@@ -137,26 +138,23 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     cross_entropy = prepare_for_training(draft, device)
     weights = MasterWeights(draft, compute_dtype(device))
     lm_head = recipe.lm_head.to(device, torch.bfloat16 if device.type == "cuda" else recipe.lm_head.dtype)
-    optimizer = torch.optim.AdamW(weights.masters, lr=optim.lr, betas=tuple(optim.betas),
-                                  weight_decay=optim.weight_decay, fused=device.type == "cuda")
-    if recipe.warm_moments is not None and state is None:
-        continue_moments(optimizer, recipe.warm_moments)
     # packed before the first step, so a sample longer than a row stops the run here, not after hours
     batches = schedule(recipe.train_samples, optim.packed_length, optim.batch_size, recipe.seed, optim.epochs)
     held_out = eval_batches(recipe.eval_samples, optim.packed_length, optim.batch_size)
     total_steps = sum(len(epoch) for epoch in batches)
     total_steps = min(total_steps, optim.max_steps) if optim.max_steps is not None else total_steps
-    scheduler = warmup_cosine(optimizer, total_steps, optim.warmup_ratio)
+    optimizer = Optimizers(list(zip(weights.names, weights.masters)), optim, total_steps, fused=device.type == "cuda")
+    if recipe.warm_moments is not None and state is None:
+        optimizer.continue_moments(recipe.warm_moments)
     step, tokens, history = 0, 0, []
     if state is not None:
-        optimizer.load_state_dict(state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
+        optimizer.load_state_dict(state.optimizer, state.scheduler)
         torch.set_rng_state(state.torch_rng)
         step, tokens, history = state.step, state.tokens, state.history
 
     def now(with_weights: bool) -> TrainState:
-        return TrainState(step, tokens, optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(),
-                          history, weights.state_dict() if with_weights else None)
+        return TrainState(step, tokens, *optimizer.state_dict(), torch.get_rng_state(), history,
+                          weights.state_dict() if with_weights else None)
 
     if world.size == 1:
         objective, normaliser = functools.partial(_batch_loss, draft), None
@@ -172,10 +170,9 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     for epoch, rows, assembled in assembled_ahead(remaining, make, depth):
         batch = to_device(assembled, device)
         weights.release_gradients()  # none kept through the forward, where they would add to its peak memory
-        result = objective(batch, lm_head, optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy)
+        result = objective(batch, lm_head, optim, normaliser, cross_entropy)
         result.loss.backward()
         grad_norm = weights.step(optimizer, optim.grad_clip)
-        scheduler.step()
         step += 1
         tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
         row_tokens += len(rows) * optim.packed_length
@@ -183,7 +180,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         if step % optim.log_every == 0 or step == total_steps:
             loss_value, losses, accs = _global_metrics(result, world, device)
             progress.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", refresh=False)
-            row = {"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0],
+            row = {"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/lr": optimizer.lr,
                    "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},
                    **{f"train/loss_{k}": v for k, v in enumerate(losses)}}
             history.append({"step": step, **row})
@@ -248,8 +245,8 @@ class MasterWeights:
             for master in self.masters:
                 master.grad = None
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """After the backward, the optimizer's step: the gradients taken to the masters and clipped to `max_norm`,
+    def step(self, optimizer: Optimizers, max_norm: float) -> torch.Tensor:
+        """After the backward, the optimizers' step: the gradients taken to the masters and clipped to `max_norm`,
         the masters updated, the drafter's weights from them. Returns the gradient norm before clipping."""
         self.take_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, max_norm)
@@ -301,34 +298,6 @@ def seed_everything(seed: int) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
-    warmup = max(1, round(total_steps * warmup_ratio))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def continue_moments(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Load another run's optimizer moments but keep this run's hyper-parameters (lr, betas, weight decay)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved_state = saved.get("state", {})
-    mismatched = [f"parameter {i}: saved {tuple(s['exp_avg'].shape)} vs {tuple(params[i].shape)}"
-                  for i, s in saved_state.items() if i >= len(params) or s["exp_avg"].shape != params[i].shape]
-    if len(params) != sum(len(g["params"]) for g in saved.get("param_groups", [])) or mismatched:
-        raise InputError("the warm start's optimizer state does not fit the drafter's parameters"
-                         + (":\n  " + "\n  ".join(mismatched[:10]) if mismatched else ""))
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
-    for group, own in zip(optimizer.param_groups, settings):
-        group.pop("initial_lr", None)
-        group.update(own)
-
-
 def assembly_depth(device: torch.device) -> int:
     """Batches a thread makes ahead: ASSEMBLED_AHEAD on a GPU; none on a CPU, where its ops would fight the step's
     for the same cores."""
@@ -344,12 +313,13 @@ def _make_batch(recipe: Recipe, world: World | None, row_count: int, batch: list
     return recipe.hidden_states(rows, assembled) if recipe.hidden_states else assembled
 
 
-def _batch_loss(draft, batch, lm_head, ttt_steps, decay, normaliser=None, cross_entropy=soft_cross_entropy):
+def _batch_loss(draft, batch, lm_head, optim: DrafterTrainConfig, normaliser=None, cross_entropy=soft_cross_entropy):
     features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
         return ttt_loss(draft, batch["input_ids"].long(), decode(batch, "aux_hidden", features),
                         decode(batch, "final_hidden", features), batch["loss_mask"], batch["positions"], lm_head,
-                        ttt_steps, decay, normaliser, cross_entropy)
+                        optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy,
+                        raise_positions=optim.ttt_positions == "raised")
 
 
 class _TTTObjective(torch.nn.Module):
@@ -360,8 +330,8 @@ class _TTTObjective(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, batch, lm_head, ttt_steps, decay, normaliser, cross_entropy) -> TTTResult:
-        return _batch_loss(self.draft, batch, lm_head, ttt_steps, decay, normaliser, cross_entropy)
+    def forward(self, batch, lm_head, optim, normaliser, cross_entropy) -> TTTResult:
+        return _batch_loss(self.draft, batch, lm_head, optim, normaliser, cross_entropy)
 
 
 def _global_metrics(result: TTTResult, world: World, device: torch.device) -> tuple[float, list[float], list[float]]:
@@ -389,7 +359,7 @@ def _evaluate(recipe: Recipe, held_out: list, lm_head: torch.Tensor, cross_entro
     loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
     for rows in held_out[world.rank :: world.size]:
         batch = to_device(_make_batch(recipe, None, optim.batch_size, rows), device)
-        result = _batch_loss(draft, batch, lm_head, ttt_steps, optim.loss_decay, cross_entropy=cross_entropy)
+        result = _batch_loss(draft, batch, lm_head, optim, cross_entropy=cross_entropy)
         for k in range(ttt_steps):
             correct[k] += result.accs[k] * result.counted[k]
             counted[k] += result.counted[k]

@@ -10,7 +10,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from eagle3ops.config import LMTrainConfig, TinyLlamaConfig
 from eagle3ops.progress import progress
 from eagle3ops.training.data import batches, pad_batch
-from eagle3ops.training.loop import seed_everything, warmup_cosine
+from eagle3ops.training.loop import seed_everything
+from eagle3ops.training.optimizers import warmup_cosine
 
 
 def build_llama(shape: TinyLlamaConfig, tokenizer, seed: int) -> LlamaForCausalLM:

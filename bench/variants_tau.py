@@ -1,0 +1,91 @@
+"""Acceptance length of the drafter-training variants on the embedded default, over several seeds.
+
+One factor at a time against the former defaults (EAGLE-3, every TTT step at the sample's positions, AdamW; a warm
+start keeping its head), then the defaults params.yaml sets now. Every variant trains at the same budget
+(params.yaml's train section, `--set seed=S`) and is measured by the eval stage on the benchmark sets; every command
+is the project's own, as a one-off run (`--set`), so the pipeline's outputs stay as they are. Prints a table (tau
+per seed, mean and spread, the change against the first row) and writes bench/results/variants-tau-zoo.json.
+
+    dvc repro extract@offline          # the embedded default up to its hidden states, once
+    python bench/variants_tau.py --seeds 0 1 2
+    python bench/variants_tau.py --rows defaults-scratch defaults-warm   # re-measure some rows, keep the others
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from fp8_tau import ONE_OFF, eagle3ops
+
+WORK = Path(".eagle3ops") / "variants-tau"
+BEFORE = {"train.ttt_positions": "fixed", "train.draft.fc_norm": "false", "train.draft.norm_output": "false",
+          "train.optimizer": "adamw", "train.warm_start_vocab": "keep"}
+# key: (what the row is, the drafter it trains, its --set values; None = params.yaml as it is)
+ROWS = {
+    "before": ("EAGLE-3, positions fixed, AdamW", "scratch", BEFORE),
+    "raised": ("positions raised (step k at t + k)", "scratch", {**BEFORE, "train.ttt_positions": "raised"}),
+    "eagle31": ("EAGLE-3.1 (fc_norm, norm_output)", "scratch",
+                {**BEFORE, "train.draft.fc_norm": "true", "train.draft.norm_output": "true"}),
+    "muon": ("Muon (muon_lr = 10 x lr)", "scratch", {**BEFORE, "train.optimizer": "muon"}),
+    "keep": ("warm start, head kept", "warm_start", BEFORE),
+    "remap": ("warm start, re-headed", "warm_start", {**BEFORE, "train.warm_start_vocab": "remap"}),
+    "defaults-scratch": ("the defaults: scratch", "scratch", None),
+    "defaults-warm": ("the defaults: warm start", "warm_start", None),
+}
+
+
+def measure(key: str, seed: int) -> dict:
+    _, init, settings = ROWS[key]
+    sets = [f"seed={seed}", f"train.out_dir={WORK / f'drafters-{key}-{seed}'}",
+            *(f"{name}={value}" for name, value in (settings or {}).items())]
+    options = [arg for value in sets for arg in ("--set", value)]
+    eagle3ops("train", "--init", init, *options)
+    train = json.loads((ONE_OFF / f"train-{init}.json").read_text())
+    eagle3ops("eval", "--drafter", init, *options)
+    evaluated = json.loads((ONE_OFF / f"eval-{init}.json").read_text())
+    return {"row": key, "seed": seed, "tau": evaluated["tau"], "tau_ci": [evaluated["tau_ci_low"],
+                                                                         evaluated["tau_ci_high"]],
+            "eval_loss": train["eval/loss"], "acc_0": train["eval/acc_0"], "lossless": evaluated["lossless"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
+                        help="the rows to measure; the others are kept from --out")
+    parser.add_argument("--out", default="bench/results/variants-tau-zoo.json")
+    args = parser.parse_args()
+    if not Path("data/features/train/manifest.json").is_file():
+        sys.exit("no data/features: run `dvc repro extract@offline` first")
+    out = Path(args.out)
+    kept = [run for run in json.loads(out.read_text())["runs"] if run["row"] not in args.rows] if out.is_file() else []
+    for key in args.rows:
+        for seed in args.seeds:
+            kept.append(measure(key, seed))
+            print(f"{key} seed {seed}: tau {kept[-1]['tau']:.3f}", flush=True)
+            summary = write(out, kept)  # after every run: an interrupted bench keeps what it measured
+    first = next(iter(summary.values()))["tau_mean"]
+    print("\n| variant | drafter | tau per seed | mean ± stdev | vs first row |")
+    print("|---|---|---|---|---|")
+    for row in summary.values():
+        print(f"| {row['variant']} | {row['drafter']} | {' / '.join(f'{t:.3f}' for t in row['taus'])} | "
+              f"{row['tau_mean']:.3f} ± {row['tau_stdev']:.3f} | {row['tau_mean'] - first:+.3f} |")
+
+
+def write(out: Path, runs: list[dict]) -> dict:
+    runs.sort(key=lambda run: (list(ROWS).index(run["row"]), run["seed"]))
+    summary = {}
+    for key, (label, init, settings) in ROWS.items():
+        taus = [run["tau"] for run in runs if run["row"] == key]
+        if taus:
+            summary[key] = {"variant": label, "drafter": init, "sets": settings, "taus": taus,
+                            "tau_mean": statistics.mean(taus),
+                            "tau_stdev": statistics.stdev(taus) if len(taus) > 1 else 0.0}
+    out.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
+    return summary
+
+if __name__ == "__main__":
+    main()
