@@ -182,3 +182,17 @@ def micro_pipeline_repo(repo: Path) -> Path:
     shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
     commit(repo, "micro pipeline")
     return repo
+
+
+def ttt_logits(draft, ids, aux, positions, steps: int, raise_positions: bool) -> list:
+    """The drafter's logits at each TTT step as ttt_loss runs them: step k reads x_{t+k+1} (ids holds x_{t+1} at
+    t), at the positions `positions`, or, raised, `positions` + k."""
+    from eagle3ops.modeling.draft import shift_left
+
+    hidden, context, outs = draft.fuse(aux), draft.ttt_context(positions, steps), []
+    for k in range(steps):
+        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, positions + k if raise_positions else positions,
+                                             context)
+        context = context.after(keys, values)
+        outs.append(logits)
+    return outs

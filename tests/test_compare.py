@@ -31,8 +31,10 @@ from eagle3ops.tracking.run import stage_run
 
 
 def _eval(load: float, decode: float, accepts: tuple[float, ...], spec_tokens_per_s: float) -> dict[str, float]:
-    return {"time/load_s": load, "time/decode_s": decode, "tau": 1 + sum(accepts),
-            "spec_tokens_per_s": spec_tokens_per_s, **{f"accept_{i}": a for i, a in enumerate(accepts, 1)}}
+    tau = 1 + sum(accepts)  # with a 95% interval of +-0.15 around it
+    return {"time/load_s": load, "time/decode_s": decode, "tau": tau, "tau_ci_low": tau - 0.15,
+            "tau_ci_high": tau + 0.15, "spec_tokens_per_s": spec_tokens_per_s,
+            **{f"accept_{i}": a for i, a in enumerate(accepts, 1)}}
 
 
 def _train(load: float, seconds: float, steps: int, tokens: int, tokens_per_s: float) -> dict[str, float]:
@@ -123,12 +125,14 @@ def test_side_by_side_values(client: MlflowClient) -> None:
     table = side_by_side(by_name(client, "run-a", "run-b", "run-c"))
     assert list(table.columns) == [A, B, C]
     assert list(table.index) == [
-        *(f"{d} {m}" for d in ("baseline", "scratch", "warm_start") for m in ("tau", "a1", "a2", "a3")),
+        *(f"{d} {m}" for d in ("baseline", "scratch", "warm_start")
+          for m in ("tau", "tau 95% low", "tau 95% high", "a1", "a2", "a3")),
         "load s", "generate s", "generate tok/s", "extract s", "extract tok/s",
         "train@scratch s", "train@scratch tok/s", "train@warm_start s", "train@warm_start tok/s",
         "eval@baseline s", "eval@baseline tok/s", "eval@scratch s", "eval@scratch tok/s",
         "eval@warm_start s", "eval@warm_start tok/s"]
     assert table.loc["warm_start tau"].tolist() == pytest.approx([3.1, 3.3, 3.0])
+    assert table.loc["warm_start tau 95% high"].tolist() == pytest.approx([3.25, 3.45, 3.15])
     assert table.loc["scratch a2"].tolist() == pytest.approx([0.5, 0.6, 0.5])
     assert table.loc["load s"].tolist() == [10, 10, 5]  # the target load, as extract times it
     assert table.loc["extract tok/s"].tolist() == [2_500, 2_500, 10_000]
@@ -149,10 +153,12 @@ def test_ratios_against_the_first_run(client: MlflowClient) -> None:
     assert against_reference(records) == [
         f"{B}: load 1.0x faster, generate 2.0x slower, extract 1.0x faster, train@scratch 1.0x faster, "
         "train@warm_start 1.0x faster, eval@baseline 1.0x faster, eval@scratch 1.1x faster, "
-        "eval@warm_start 1.1x faster; baseline +0.00 tau, scratch +0.40 tau, warm_start +0.20 tau",
+        "eval@warm_start 1.1x faster; baseline +0.00 tau (95% intervals overlap: within noise), scratch +0.40 tau, "
+        "warm_start +0.20 tau (95% intervals overlap: within noise)",
         f"{C}: load 2.0x faster, generate 5.0x faster, extract 4.0x faster, train@scratch 1.5x faster, "
         "train@warm_start 1.5x faster, eval@scratch 4.0x faster, eval@warm_start 3.5x faster; "
-        "scratch +0.00 tau, warm_start -0.10 tau",
+        "scratch +0.00 tau (95% intervals overlap: within noise), warm_start -0.10 tau (95% intervals overlap: "
+        "within noise)",
     ]
     assert within_runs(records) == [
         f"{A}: warm_start +0.60 tau vs scratch at the same steps (1,000)",

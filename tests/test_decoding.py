@@ -93,6 +93,30 @@ def test_acceptance_stats_count_like_the_engines():
     assert AcceptanceStats(k=3).tau == 0.0
 
 
+def test_tau_interval_is_a_bootstrap_over_prompts():
+    """The engines' pooled tau of prompts drawn again: deterministic, around tau, wide for few and uneven prompts,
+    narrower for more of them, a point for identical ones."""
+    from eagle3ops.decoding.speculative import tau_interval
+
+    def prompts(accepted_per_prompt: list[int]) -> list[AcceptanceStats]:
+        stats = []
+        for accepted in accepted_per_prompt:
+            one = AcceptanceStats(k=3)
+            for _ in range(10):  # ten verification steps, `accepted` drafts accepted over them
+                one.record(0)
+            one.accepted = accepted
+            stats.append(one)
+        return stats
+
+    uneven = prompts([0, 30, 5, 25, 10, 20])
+    low, high = tau_interval(uneven)
+    assert (low, high) == tau_interval(uneven) and low < AcceptanceStats.merged(3, uneven).tau < high
+    assert 1.0 <= low and high <= 4.0 and high - low > 0.5
+    narrower = tau_interval(uneven * 16)
+    assert narrower[1] - narrower[0] < (high - low) / 2
+    assert tau_interval(prompts([12] * 8)) == pytest.approx((2.2, 2.2))
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_speculative_greedy_equals_target_greedy(target, k, seed):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import ttt_logits
 from eagle3ops.formats.specforge import load_drafter, read_weights, save_drafter
 from eagle3ops.modeling.draft import (
     DraftConfig,
@@ -119,17 +120,6 @@ def test_serving_cache_matches_uncached_forward():
     torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-5, atol=1e-5)
     cache.crop(3)
     assert cache.length == 3
-
-
-def ttt_logits(draft, ids, aux, positions, steps: int, raise_positions: bool) -> list[torch.Tensor]:
-    """The logits of each TTT step as ttt_loss runs them: step k reads x_{t+k+1} (ids holds x_{t+1} at t)."""
-    hidden, context, outs = draft.fuse(aux), draft.ttt_context(positions, steps), []
-    for k in range(steps):
-        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, positions + k if raise_positions else positions,
-                                             context)
-        context = context.after(keys, values)
-        outs.append(logits)
-    return outs
 
 
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])

@@ -107,3 +107,15 @@ def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypa
     assert "eagle3ops report: error: report reads params key 'report', which its entry in dvc.yaml does not declare" \
         in capsys.readouterr().err
     assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("line, key", [("  optimizer: sgd\n", "train.optimizer"),
+                                       ("  muon_lr: 0.01\n", "train.muon_lr"),
+                                       ("  ttt_positions: shifted\n", "train.ttt_positions"),
+                                       ("  warm_start_vocab: guess\n", "train.warm_start_vocab")])
+def test_the_training_variants_keys_are_checked_by_name(tmp_path, line, key):
+    """A choice outside the list, or Muon's rate with AdamW (it would be silently unused), names the key."""
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n" + line)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(path)

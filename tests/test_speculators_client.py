@@ -15,9 +15,10 @@ import speculators.models.eagle3 as speculators  # the test extra installs it
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import ttt_logits
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.specforge import save_drafter
-from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, shift_left
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 
 AUX, VD, T, K = [1, 2, 3], 48, 128, 4  # T: its flex block mask is built for whole 128-token tiles
 
@@ -36,17 +37,6 @@ def our_drafter(vocab: int, eagle31: bool, embedding: torch.Tensor) -> Eagle3Dra
     draft.t2d.zero_()
     draft.t2d[chosen] = True
     return draft.eval()
-
-
-def ttt_logits(draft: Eagle3Draft, ids, aux, raise_positions: bool) -> list[torch.Tensor]:
-    positions = torch.arange(ids.shape[1])[None]
-    hidden, context, outs = draft.fuse(aux), draft.ttt_context(positions, K), []
-    for k in range(K):
-        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, positions + k if raise_positions else positions,
-                                             context)
-        context = context.after(keys, values)
-        outs.append(logits)
-    return outs
 
 
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
@@ -72,8 +62,9 @@ def test_speculators_loads_our_export_and_its_forward_gives_our_logits(eagle31, 
     with torch.no_grad():
         theirs(hidden_states=aux, input_ids=ids, document_ids=torch.zeros(1, T, dtype=torch.long),
                position_ids=torch.arange(T)[None], ttt_steps=K)
-        raised = ttt_logits(ours, ids, aux, raise_positions=True)
-        fixed = ttt_logits(ours, ids, aux, raise_positions=False)
+        positions = torch.arange(T)[None]
+        raised = ttt_logits(ours, ids, aux, positions, K, raise_positions=True)
+        fixed = ttt_logits(ours, ids, aux, positions, K, raise_positions=False)
     hook.remove()
     assert len(captured) == K
     torch.testing.assert_close(captured[0], fixed[0], rtol=1e-4, atol=1e-4)  # step 0: the positions do not matter
