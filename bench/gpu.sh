@@ -4,13 +4,14 @@
 #   bench/gpu.sh one-gpu     # extraction by length and batch, training by batch and length
 #   bench/gpu.sh varlen      # training on packed rows and on data of varying length from process start
 #   bench/gpu.sh online      # extraction in bf16 and FP8; offline against online training, epoch by epoch
+#   bench/gpu.sh variants    # a training step of each variant: TTT positions, EAGLE-3.1, Muon
 # SIZE=tiny runs the same commands at the tiny scale (a check of the script; results to $OUT_DIR).
 set -euo pipefail
 size=${SIZE:-8b}
 out=${OUT_DIR:-bench/results}
 python=${PYTHON:-python3}
 run() { echo "+ $*" >&2; "$@"; }
-case ${1:?two-gpus, one-gpu, varlen or online} in
+case ${1:?two-gpus, one-gpu, varlen, online or variants} in
   two-gpus)
     run "$python" -m torch.distributed.run --standalone --nproc-per-node 2 -m eagle3ops.cli bench --size "$size" \
         --parts train --out "$out/h200x2-ddp-train.json"
@@ -24,5 +25,7 @@ case ${1:?two-gpus, one-gpu, varlen or online} in
         --train-shapes 1x2048 4x2048 1x8192 1x16384 --out "$out/h200-train-varlen.json" ;;
   online)
     run "$python" -m eagle3ops.cli bench --size "$size" --parts online --out "$out/h200-online.json" ;;
-  *) echo "usage: bench/gpu.sh two-gpus|one-gpu|varlen|online" >&2; exit 2 ;;
+  variants)
+    run "$python" -m eagle3ops.cli bench --size "$size" --parts train-variants --out "$out/h200-train-variants.json" ;;
+  *) echo "usage: bench/gpu.sh two-gpus|one-gpu|varlen|online|variants" >&2; exit 2 ;;
 esac

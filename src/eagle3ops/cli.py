@@ -159,10 +159,12 @@ def parser() -> argparse.ArgumentParser:
                     "data-parallel training at one global batch, tokens/s and the loss of each step against one "
                     "rank alone.")
     bench.add_argument("--size", choices=["tiny", "8b"], default="tiny", help="workload scale (default: %(default)s)")
-    bench.add_argument("--parts", nargs="+", choices=["extract", "extract-split", "train", "train-varlen", "online"],
+    bench.add_argument("--parts", nargs="+",
+                       choices=["extract", "extract-split", "train", "train-variants", "train-varlen", "online"],
                        default=["extract", "train"],
                        help="extract: naive vs ours, by length and batch; extract-split: the target split over "
                             "the GPUs vs one GPU; train: drafter steps, a document a row and packed rows; "
+                            "train-variants: a step of each training variant (TTT positions, EAGLE-3.1, Muon); "
                             "train-varlen: the train stage's loop on data of varying length from the start of a "
                             "fresh process, with a cold and a warm compile cache; online: extraction in bf16 and "
                             "FP8, then training offline from the shards against online with the target beside the "

@@ -34,6 +34,8 @@ def render(result: dict) -> str:
         lines += render_split_extraction(result["extract_split"])
     if "train" in result:
         lines += render_training(result["train"], result["size"] == "8b")
+    if "train_variants" in result:
+        lines += render_variants(result["train_variants"])
     if "fused_vs_reference" in result:
         check = result["fused_vs_reference"]
         lines += [f"Fused step (compiled, flex attention) against the reference math on the same device, {check['dtype']}, "
@@ -67,6 +69,21 @@ def render_training(runs: list[dict], with_reference: bool) -> list[str]:
                      "vs SpecForge": f"{row['tokens_per_s'] / same_shape[0]:.2f}x" if same_shape else "-",
                      "SpecForge GiB, same tokens a step": same_tokens[1] if same_tokens else "-"})
     return ["## Drafter training (TTT 7, one optimizer step)", "", markdown_table(pd.DataFrame(rows), "g"), ""]
+
+
+def render_variants(runs: list[dict]) -> list[str]:
+    """One step of each training variant on the same packed row, against the first."""
+    import pandas as pd
+
+    from eagle3ops.reporting.summary import markdown_table
+
+    first = runs[0]["step_ms"]
+    rows = [{"variant": row["variant"], "step ms": row["step_ms"], "vs first": f"{row['step_ms'] / first:.2f}x",
+             "tok/s": f"{row['tokens_per_s']:,.0f}", "first step s": row["first_step_s"],
+             "steady peak GiB": row["steady_peak_gib"] or "-"} for row in runs]
+    return [f"## Training variants: one step on a row of {runs[0]['length']:,} tokens packed with "
+            f"{runs[0]['documents']} documents, {runs[0]['kernel']} kernel", "", markdown_table(pd.DataFrame(rows), "g"),
+            ""]
 
 
 def render_varlen(varlen: dict, with_reference: bool) -> list[str]:

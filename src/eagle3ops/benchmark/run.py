@@ -19,6 +19,8 @@ values). Figures:
 - training on data of varying length (`train-varlen`, benchmark/varlen.py): the train stage's loop from the start
   of a fresh process, with a cold and a warm compile cache; and, on a GPU, the fused step against the reference
   math on the same device (largest differences of losses and gradients);
+- training variants (`train-variants`): one step on a row packed with log-normal documents for each of TTT
+  positions fixed and raised, EAGLE-3 and 3.1, AdamW and Muon (beside AdamW), as the train stage runs them;
 - online training (`online`, benchmark/online.py): extraction in bf16 and FP8, then the same epochs offline (from
   the shards) and online (the target beside the drafter), and the break-even number of epochs;
 - data-parallel training (under torchrun, `run_data_parallel_bench`): the train stage's loop at one global
@@ -35,7 +37,13 @@ from eagle3ops.benchmark.extraction import bench_extraction, bench_split_extract
 from eagle3ops.benchmark.online import bench_online
 from eagle3ops.benchmark.sizes import SIZES
 from eagle3ops.benchmark.timing import device_name, measure_ceilings
-from eagle3ops.benchmark.training import bench_train, compare_with_reference, draft_config, packed_documents
+from eagle3ops.benchmark.training import (
+    bench_train,
+    bench_variants,
+    compare_with_reference,
+    draft_config,
+    packed_documents,
+)
 from eagle3ops.benchmark.varlen import bench_varlen
 
 
@@ -80,6 +88,11 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         result["train"] = rows
+    if "train-variants" in parts:
+        length = size.train_packed_lengths[0]
+        result["train_variants"] = bench_variants(arch, size.draft_vocab_size, length,
+                                                  packed_documents(length, size.varlen_median, size.varlen_sigma),
+                                                  size.train_steps, device, peak_tflops)
     if "online" in parts:
         result["online"] = bench_online(size, device, work_dir)
     if "train-varlen" in parts:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -14,6 +14,7 @@ from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, compute_dtype, ttt_loss
 from eagle3ops.training import distributed
 from eagle3ops.training.loop import Hooks, MasterWeights, Recipe, prepare_for_training, train_drafter
+from eagle3ops.training.optimizers import Optimizers
 
 
 def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
@@ -78,10 +79,13 @@ def packed_documents(length: int, median: float, sigma: float, seed: int = 0) ->
 
 
 def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
-                ttt_steps: int = 7, seed: int = 0, documents: list[int] | None = None) -> TrainBench:
+                ttt_steps: int = 7, seed: int = 0, documents: list[int] | None = None,
+                optim: DrafterTrainConfig | None = None) -> TrainBench:
     """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`), each row one document or
-    packed with `documents`; on a GPU bf16 weights with float32 masters, as the train stage runs."""
+    packed with `documents`; on a GPU bf16 weights with float32 masters, and the optimizers and TTT positions of
+    `optim`, as the train stage runs."""
     documents = documents or [length]
+    optim = optim or DrafterTrainConfig(lr=1e-4, ttt_steps=ttt_steps)
     draft = random_drafter(cfg, seed)
     draft.midlayer.self_attn.kernel = kernel
     cross_entropy = prepare_for_training(draft, device)
@@ -94,13 +98,14 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in documents]).expand(batch, length)
     weights = MasterWeights(draft, features)
-    optimizer = torch.optim.AdamW(weights.masters, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = Optimizers(list(zip(weights.names, weights.masters)), optim, steps + 2, fused=device.type == "cuda")
     losses = []
 
     def step() -> None:  # as the train stage's loop takes one
         weights.release_gradients()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, cross_entropy=cross_entropy)
+            result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, cross_entropy=cross_entropy,
+                              raise_positions=optim.ttt_positions == "raised")
         result.loss.backward()
         weights.step(optimizer, 0.5)
         losses.append(round(result.losses[0], 5))
@@ -123,6 +128,30 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     return TrainBench(kernel, batch, length, len(documents), round(first, 2), round(seconds * 1e3, 1),
                       batch * length / seconds, gib(max(peak, steady) if peak else None), gib(steady),
                       flops / seconds / 1e12, losses)
+
+
+# name: (DrafterTrainConfig fields, EAGLE-3.1); each one switch away from the first
+VARIANTS = {"EAGLE-3, positions fixed, AdamW": ({}, False), "positions raised": ({"ttt_positions": "raised"}, False),
+            "EAGLE-3.1": ({}, True), "Muon": ({"optimizer": "muon"}, False)}
+
+
+def bench_variants(arch: dict, draft_vocab_size: int, length: int, documents: list[int], steps: int,
+                   device: torch.device, peak_tflops: float) -> list[dict]:
+    """What each training variant costs a step: one row of `length` packed with `documents`, the fused kernel on a
+    GPU (the reference elsewhere), the optimizers as the train stage builds them."""
+    kernel = "flex" if device.type == "cuda" else "reference"
+    rows = []
+    for name, (fields, eagle31) in VARIANTS.items():
+        cfg = replace(draft_config(arch, draft_vocab_size), fc_norm=eagle31, norm_output=eagle31)
+        bench = bench_train(cfg, 1, length, steps, device, kernel, documents=documents,
+                            optim=DrafterTrainConfig(lr=1e-4, **fields))
+        rows.append({"variant": name, **asdict(bench), "mfu": bench.tflops / peak_tflops})
+        print(f"bench train variant {name}: {bench.tokens_per_s:,.0f} tok/s, {bench.step_ms} ms a step, peak "
+              f"{bench.steady_peak_gib} GiB", flush=True)
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def random_features(cfg: DraftConfig, count: int, length: int, distinct: int, seed: int = 0) -> list[dict]:
