@@ -4,7 +4,9 @@ One factor at a time against the former defaults (EAGLE-3, every TTT step at the
 start keeping its head), then the defaults params.yaml sets now. Every variant trains at the same budget
 (params.yaml's train section, `--set seed=S`) and is measured by the eval stage on the benchmark sets; every command
 is the project's own, as a one-off run (`--set`), so the pipeline's outputs stay as they are. Prints a table (tau
-per seed, mean and spread, the change against the first row) and writes bench/results/variants-tau-zoo.json.
+per seed, mean and spread, the change against the first row) and writes bench/results/variants-tau-zoo.json. Each
+trained drafter is also exported in both serving layouts, which `eagle3ops export` validates against the target
+(the run stops at an export that would not serve).
 
     dvc repro extract@offline          # the embedded default up to its hidden states, once
     python bench/variants_tau.py --seeds 0 1 2
@@ -46,9 +48,14 @@ def measure(key: str, seed: int) -> dict:
     train = json.loads((ONE_OFF / f"train-{init}.json").read_text())
     eagle3ops("eval", "--drafter", init, *options)
     evaluated = json.loads((ONE_OFF / f"eval-{init}.json").read_text())
+    drafter = WORK / f"drafters-{key}-{seed}" / init
+    for fmt in ("sglang", "speculators"):  # written only when validate-export passes: it raises otherwise
+        eagle3ops("export", str(drafter), str(WORK / f"export-{key}-{seed}" / fmt), "--format", fmt, "--target",
+                  "models/zoo/successor")
     return {"row": key, "seed": seed, "tau": evaluated["tau"], "tau_ci": [evaluated["tau_ci_low"],
                                                                          evaluated["tau_ci_high"]],
-            "eval_loss": train["eval/loss"], "acc_0": train["eval/acc_0"], "lossless": evaluated["lossless"]}
+            "eval_loss": train["eval/loss"], "acc_0": train["eval/acc_0"], "lossless": evaluated["lossless"],
+            "exports_valid": True}
 
 
 def main() -> None:

@@ -143,17 +143,17 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     held_out = eval_batches(recipe.eval_samples, optim.packed_length, optim.batch_size)
     total_steps = sum(len(epoch) for epoch in batches)
     total_steps = min(total_steps, optim.max_steps) if optim.max_steps is not None else total_steps
-    optimizer = Optimizers(list(zip(weights.names, weights.masters)), optim, total_steps, fused=device.type == "cuda")
+    optimizers = Optimizers(list(zip(weights.names, weights.masters)), optim, total_steps, fused=device.type == "cuda")
     if recipe.warm_moments is not None and state is None:
-        optimizer.continue_moments(recipe.warm_moments)
+        optimizers.continue_moments(recipe.warm_moments)
     step, tokens, history = 0, 0, []
     if state is not None:
-        optimizer.load_state_dict(state.optimizer, state.scheduler)
+        optimizers.load_state_dict(state.optimizer, state.scheduler)
         torch.set_rng_state(state.torch_rng)
         step, tokens, history = state.step, state.tokens, state.history
 
     def now(with_weights: bool) -> TrainState:
-        return TrainState(step, tokens, *optimizer.state_dict(), torch.get_rng_state(), history,
+        return TrainState(step, tokens, *optimizers.state_dict(), torch.get_rng_state(), history,
                           weights.state_dict() if with_weights else None)
 
     if world.size == 1:
@@ -172,7 +172,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         weights.release_gradients()  # none kept through the forward, where they would add to its peak memory
         result = objective(batch, lm_head, optim, normaliser, cross_entropy)
         result.loss.backward()
-        grad_norm = weights.step(optimizer, optim.grad_clip)
+        grad_norm = weights.step(optimizers, optim.grad_clip)
         step += 1
         tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
         row_tokens += len(rows) * optim.packed_length
@@ -180,7 +180,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         if step % optim.log_every == 0 or step == total_steps:
             loss_value, losses, accs = _global_metrics(result, world, device)
             progress.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", refresh=False)
-            row = {"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/lr": optimizer.lr,
+            row = {"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/lr": optimizers.lr,
                    "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},
                    **{f"train/loss_{k}": v for k, v in enumerate(losses)}}
             history.append({"step": step, **row})
@@ -245,12 +245,12 @@ class MasterWeights:
             for master in self.masters:
                 master.grad = None
 
-    def step(self, optimizer: Optimizers, max_norm: float) -> torch.Tensor:
+    def step(self, optimizers: Optimizers, max_norm: float) -> torch.Tensor:
         """After the backward, the optimizers' step: the gradients taken to the masters and clipped to `max_norm`,
         the masters updated, the drafter's weights from them. Returns the gradient norm before clipping."""
         self.take_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, max_norm)
-        optimizer.step()
+        optimizers.step()
         self.update()
         return grad_norm
 
