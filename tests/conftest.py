@@ -191,8 +191,8 @@ def ttt_logits(draft, ids, aux, positions, steps: int, raise_positions: bool) ->
 
     hidden, context, outs = draft.fuse(aux), draft.ttt_context(positions, steps), []
     for k in range(steps):
-        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, positions + k if raise_positions else positions,
-                                             context)
+        step_positions = positions + k if raise_positions else positions
+        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, step_positions, context)
         context = context.after(keys, values)
         outs.append(logits)
     return outs

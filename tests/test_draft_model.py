@@ -160,8 +160,8 @@ def test_eagle31_normalises_each_target_layer_and_carries_the_post_norm_state():
     with torch.no_grad():
         torch.testing.assert_close(draft.fuse(scaled), draft.fuse(aux), rtol=1e-4, atol=1e-4)
         layers = aux.chunk(3, dim=-1)
-        expected = draft.fc(torch.cat([F.rms_norm(x, (H,), norm.weight, 1e-6) for x, norm in zip(layers, draft.fc_norm)],
-                                      dim=-1))
+        normed = [F.rms_norm(x, (H,), norm.weight, 1e-6) for x, norm in zip(layers, draft.fc_norm)]
+        expected = draft.fc(torch.cat(normed, dim=-1))
         torch.testing.assert_close(draft.fuse(aux), expected, rtol=1e-5, atol=1e-5)
         positions, ids, fused = torch.arange(5).expand(2, 5), torch.randint(0, V, (2, 5)), draft.fuse(aux)
         cos, sin = rotary(positions, draft.cfg.head_dim, draft.cfg.rope_theta)

@@ -110,7 +110,7 @@ def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("line, key", [("  optimizer: sgd\n", "train.optimizer"),
-                                       ("  muon_lr: 0.01\n", "train.muon_lr"),
+                                       ("  optimizer: adamw\n  muon_lr: 0.01\n", "train.muon_lr"),
                                        ("  ttt_positions: shifted\n", "train.ttt_positions"),
                                        ("  warm_start_vocab: guess\n", "train.warm_start_vocab")])
 def test_the_training_variants_keys_are_checked_by_name(tmp_path, line, key):

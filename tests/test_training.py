@@ -154,9 +154,10 @@ def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterru
 
     def drafter() -> Eagle3Draft:
         torch.manual_seed(1)
+        eagle31 = bool(variant.get("eagle31"))
         draft = Eagle3Draft(DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                        num_key_value_heads=1, vocab_size=24, draft_vocab_size=24, target_hidden_size=16,
-                                        fc_norm=bool(variant.get("eagle31")), norm_output=bool(variant.get("eagle31"))))
+                                        num_key_value_heads=1, vocab_size=24, draft_vocab_size=24,
+                                        target_hidden_size=16, fc_norm=eagle31, norm_output=eagle31))
         draft.t2d.fill_(True)
         return draft
 

@@ -155,7 +155,7 @@ class DrafterTrainConfig(Section):
     ttt_positions: TTTPositions = TTTPositions.fixed
     # muon: torch.optim.Muon for the 2-D weights but lm_head, AdamW for the rest (training/optimizers.py)
     optimizer: Optimizer = Optimizer.adamw
-    muon_lr: Optional[float] = None  # null = 10 x lr (speculators' default)
+    muon_lr: Optional[float] = None  # null = lr: Muon's updates are scaled to AdamW's size (match_rms_adamw)
     draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)
 
     def check(self) -> Iterator[tuple[str, str]]:
@@ -340,6 +340,9 @@ class TrainConfig(DrafterTrainConfig):
     hidden_states: HiddenStates = HiddenStates.offline
     epochs: int = 6
     lr: float = 3e-3
+    # What measured best on the embedded default (docs/training.md, "Variants"); the zoo's own drafter, the
+    # "published" one, keeps AdamW
+    optimizer: Optimizer = Optimizer.muon
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from super().check()

@@ -82,8 +82,8 @@ def render_variants(runs: list[dict]) -> list[str]:
              "tok/s": f"{row['tokens_per_s']:,.0f}", "first step s": row["first_step_s"],
              "steady peak GiB": row["steady_peak_gib"] or "-"} for row in runs]
     return [f"## Training variants: one step on a row of {runs[0]['length']:,} tokens packed with "
-            f"{runs[0]['documents']} documents, {runs[0]['kernel']} kernel", "", markdown_table(pd.DataFrame(rows), "g"),
-            ""]
+            f"{runs[0]['documents']} documents, {runs[0]['kernel']} kernel", "",
+            markdown_table(pd.DataFrame(rows), "g"), ""]
 
 
 def render_varlen(varlen: dict, with_reference: bool) -> list[str]:

@@ -175,8 +175,8 @@ def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | N
              markdown_table(acceptance, ".3f"), "",
              "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); 95% CI = "
              "its bootstrap interval over the prompts (two drafters whose intervals overlap are not clearly "
-             "apart); a_i = share of steps whose i-th draft was accepted; vocab coverage = share of the target's tokens inside the "
-             "drafter's vocabulary (a warm start keeps its own).", "",
+             "apart); a_i = share of steps whose i-th draft was accepted; vocab coverage = share of the target's "
+             "tokens inside the drafter's vocabulary (a warm start keeps its own unless it is re-headed).", "",
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
              "![tau by set](tau_by_set.png)", "",
              "## Stage timings", "", markdown_table(timings, ".1f"), "",

@@ -7,7 +7,7 @@ Each check gives a finding; the verdict is the worst of them:
 
     compatible       warm-start as is (warnings, if any, say what to watch)
     needs_new_head   the body fits, but the draft vocabulary covers too little of the new data: re-head it
-                     (`train.warm_start_vocab: remap`) or expect lower acceptance
+                     (`train.warm_start_vocab: auto`, the default, does; or `remap`) or expect lower acceptance
     incompatible     cannot work: another vocabulary, hidden size or layers the target does not have
 """
 from __future__ import annotations
@@ -88,8 +88,9 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
 
 
 def _variant(report: CompatReport, cfg: DraftConfig) -> None:
-    parts = [part for part, on in (("fc_norm: an RMSNorm per target layer before fc", cfg.fc_norm),
-                                   ("norm_output: the post-norm state carried to the next step", cfg.norm_output)) if on]
+    switches = (("fc_norm: an RMSNorm per target layer before fc", cfg.fc_norm),
+                ("norm_output: the post-norm state carried to the next step", cfg.norm_output))
+    parts = [part for part, on in switches if on]
     report.add("variant", "ok", "EAGLE-3.1 (" + "; ".join(parts) + "): the engine serving it must read these fields"
                if parts else "EAGLE-3")
 
@@ -174,6 +175,7 @@ def _draft_vocab(report: CompatReport, cfg: DraftConfig, t2d: torch.Tensor, coun
     if report.draft_vocab_coverage < min_coverage:
         report.add("draft_vocab", "needs_new_head",
                    f"{summary}. Below {min_coverage:.0%}: every token outside it is a guaranteed rejection. "
-                   f"Re-head the drafter (train.warm_start_vocab: remap) or train from scratch")
+                   f"Re-head the drafter (train.warm_start_vocab auto, the default, does; or remap) or train from "
+                   f"scratch")
     else:
         report.add("draft_vocab", "ok", summary)

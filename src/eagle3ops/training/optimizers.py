@@ -3,9 +3,10 @@ decay, stepped as one.
 
     adamw   AdamW over every trainable weight.
     muon    torch.optim.Muon over the weight matrices (fc and the decoder layer's projections), AdamW over the rest
-            (norms, lm_head), as speculators trains. Muon's rate is `train.muon_lr`, 10 x lr by default, adjusted
-            per matrix to AdamW's update size ("match_rms_adamw"); its momentum and Newton-Schulz steps are
-            PyTorch's defaults (0.95, 5).
+            (norms, lm_head), as speculators trains. Muon's rate is `train.muon_lr`, by default `train.lr`: its
+            update is scaled per matrix to AdamW's size ("match_rms_adamw"), so the two share a scale (speculators
+            defaults to 10 x its lr of 1e-4; on the embedded default 10 x lr trains worse, docs/training.md). Its
+            momentum and Newton-Schulz steps are PyTorch's defaults (0.95, 5).
 
 The state saved with a drafter and in a resume point holds each optimizer's and each schedule's state by name
 ({"adamw": ..., "muon": ...}), so a run resumes exactly and a warm start can continue the moments it was trained
@@ -19,9 +20,6 @@ import torch
 
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.errors import InputError
-
-MUON_LR_FACTOR = 10.0  # muon_lr = 10 x lr unless set (speculators' default)
-
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
     warmup = max(1, round(total_steps * warmup_ratio))
@@ -52,7 +50,7 @@ class Optimizers:
                                        fused=fused)}
         if optim.optimizer == "muon":
             matrices = [weight for name, weight in named_weights if is_muon_weight(name, weight)]
-            lr = optim.muon_lr if optim.muon_lr is not None else MUON_LR_FACTOR * optim.lr
+            lr = optim.muon_lr if optim.muon_lr is not None else optim.lr
             self.parts["muon"] = torch.optim.Muon(matrices, lr=lr, weight_decay=optim.weight_decay,
                                                   adjust_lr_fn="match_rms_adamw")
         self.schedules = {name: warmup_cosine(part, total_steps, optim.warmup_ratio)
