@@ -225,8 +225,9 @@ def _stage_workspace(root: Path, target_dir: Path) -> None:
             d2t, t2d = build_vocab_map(count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples), vocab, 64)
     write_vocab_map(root / "data" / "prepared", d2t, t2d)
     OmegaConf.save({"target": {"path": str(target_dir), "lineage_dep": str(target_dir), "device": "cpu"},
+                    # AdamW: Muon orthogonalises each step in bf16, which turns the ranks' float32 rounding into bf16's
                     "train": {"epochs": 2, "batch_size": 2, "packed_length": 64, "lr": 3e-3, "ttt_steps": 3, "log_every": 1,
-                              "checkpoint_every": 2, "simulate": {"every": 0}},
+                              "checkpoint_every": 2, "simulate": {"every": 0}, "optimizer": "adamw"},
                     "mlflow": {"system_metrics": False, "registered_model": None}}, root / "params.yaml")
 
 
