@@ -196,7 +196,8 @@ def parser() -> argparse.ArgumentParser:
     compat.add_argument("--max-len", type=int, default=4096, help="truncation when tokenizing a JSONL (default: %(default)s)")
     compat.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     preset = commands.add_parser(
-        "preset", help="set params.yaml up for a known target (Llama-3.1-8B, Qwen3-8B, DeepSeek-V3, Kimi-K2.5)",
+        "preset", help="set params.yaml up for a known target (Llama-3.1-8B, Qwen3-8B, DeepSeek-V3, Kimi-K2.5) or "
+                       "for the zoo at GPU size (zoo-gpu)",
         description="Apply a target preset (src/eagle3ops/presets/NAME.yaml) to params.yaml. It sets target.id, "
                     "target.revision (null: pin the commit you downloaded), target.aux_layers, target.dtype, "
                     "target.trust_remote_code, target.chat_template, target.path and target.lineage_dep "
@@ -204,7 +205,8 @@ def parser() -> argparse.ArgumentParser:
                     "extract.samples_per_shard, train.simulate.every (0: off), the published drafter's shape under "
                     "train.draft, and train.warm_start with --warm-start. Every "
                     "other key and the comments stay; the target must have the preset's architecture, and the "
-                    "result is checked against the schema before it replaces the file.")
+                    "result is checked against the schema before it replaces the file. zoo-gpu (no --target-path) "
+                    "sets the zoo's keys for a GPU-sized embedded default instead.")
     preset.add_argument("name", nargs="?", metavar="NAME", help="the preset (see --list)")
     preset.add_argument("--list", action="store_true", help="list the presets and exit")
     preset.add_argument("--target-path", metavar="DIR", help="the target's local model directory (with NAME)")
@@ -356,8 +358,8 @@ def _preset(args) -> int:
         for name in preset_names():
             print(f"{name:24} {load_preset(name)['description']}")
         return 0
-    if not args.name or not args.target_path:
-        raise InputError("give a preset NAME and --target-path DIR (or --list)")
+    if not args.name:
+        raise InputError("give a preset NAME (and --target-path DIR for a real target's), or --list")
     changed = apply_preset(args.name, args.params, args.target_path, args.warm_start)
     print(f"{args.params}: preset {args.name} set {', '.join(changed)}")
     if not args.warm_start:

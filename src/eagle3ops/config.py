@@ -183,6 +183,9 @@ class ZooConfig(Section):
     max_len: int = 384
     draft_vocab_size: int = 256
     drafter_conversations: int = 800
+    # The dtype the targets are stored in (real checkpoints ship bfloat16). They train in float32 on the GPU when
+    # there is one, else on the CPU: bit for bit the same zoo on one kind of machine, as close as float32 allows across kinds.
+    dtype: DType = DType.float32
     target: TinyLlamaConfig = field(default_factory=TinyLlamaConfig)
     predecessor_training: LMTrainConfig = field(default_factory=LMTrainConfig)
     successor_training: LMTrainConfig = field(default_factory=lambda: LMTrainConfig(steps=300, lr=2e-3))
@@ -271,12 +274,16 @@ class GenerateConfig(Section):
     out: str = "data/generated/conversations.jsonl"
     batch_size: int = 32
     chunk_size: int = 256  # conversations per resumable chunk
+    # The first N conversations of data.conversations, for a pilot on a share of the data; null = all
+    max_conversations: Optional[int] = None
     max_new_tokens: int = 160
     temperature: float = 0.0
     openai: OpenAIEndpointConfig = field(default_factory=OpenAIEndpointConfig)
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from _outputs_inside_project(self, "out")
+        if self.max_conversations is not None and self.max_conversations < 1:
+            yield "max_conversations", f"must be null or at least 1, got {self.max_conversations}"
 
 
 @dataclass

@@ -23,6 +23,7 @@ class GenerateStats:
     turns: int = 0
     new_tokens: int = 0
     unfinished: int = 0  # hit max_new_tokens before the end-of-turn token
+    decode_steps: int = 0  # sequential forwards of the target: each batch decodes until its longest answer ends
     wall_s: float = 0.0
 
 
@@ -54,6 +55,7 @@ def regenerate(model, tokenizer, conversations: list[dict], batch_size: int, max
                     do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None,
                     top_k=None, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                 )[:, width:].cpu()
+                stats.decode_steps += generated.shape[1]
                 for row, (c, t) in enumerate(chunk):
                     tokens = generated[row].tolist()
                     if eos in tokens:

@@ -1,4 +1,5 @@
-"""Presets for real targets: the params.yaml settings a known architecture needs.
+"""Presets for real targets: the params.yaml settings a known architecture needs; and `zoo-gpu`, the embedded
+default at GPU size (its `architecture` is null: the zoo stage builds the target, so there is no directory to check).
 
 `<name>.yaml` holds a `description`, the `architecture` it is for (a JSON beside it with the facts of the real
 model's config.json, which the tests check the preset against) and `params`, the keys it sets: the target's
@@ -72,22 +73,31 @@ def _merge(document: CommentedMap, settings: CommentedMap, prefix: str = "") -> 
     return changed
 
 
-def apply_preset(name: str, params_path: str | Path, target_path: str, warm_start: str | None = None) -> list[str]:
+def apply_preset(name: str, params_path: str | Path, target_path: str | None,
+                 warm_start: str | None = None) -> list[str]:
     """Merge preset `name` into `params_path` for the target directory `target_path` (and `warm_start`, the
-    drafter to fine-tune). The target must be the preset's architecture; the result must load with the schema
-    (config.load_config) before it replaces the file, in one rename. Returns the dotted keys set."""
+    drafter to fine-tune). The target must be the preset's architecture (a zoo preset takes no target: the zoo
+    builds it); the result must load with the schema (config.load_config) before it replaces the file, in one
+    rename. Returns the dotted keys set."""
     preset, params_path = load_preset(name), Path(params_path)
-    facts, actual = architecture(name), _target_facts(target_path)
-    facts = facts.get("text_config") or facts
-    wrong = [f"{key} {actual.get(key)} (the preset's architecture: {facts[key]})" for key in CHECKED_FACTS
-             if actual.get(key) != facts[key]]
-    if wrong:
-        raise PresetError(f"{target_path}: not the architecture of preset {name!r}: {', '.join(wrong)}")
+    if preset["architecture"] is None:
+        if target_path is not None:
+            raise PresetError(f"preset {name!r} builds its own target (the zoo stage): no --target-path")
+    elif target_path is None:
+        raise PresetError(f"preset {name!r} is for a real target: give --target-path DIR")
+    else:
+        facts, actual = architecture(name), _target_facts(target_path)
+        facts = facts.get("text_config") or facts
+        wrong = [f"{key} {actual.get(key)} (the preset's architecture: {facts[key]})" for key in CHECKED_FACTS
+                 if actual.get(key) != facts[key]]
+        if wrong:
+            raise PresetError(f"{target_path}: not the architecture of preset {name!r}: {', '.join(wrong)}")
     if not params_path.is_file():
         raise PresetError(f"{params_path}: params file not found")
     settings = preset["params"]
-    settings["target"]["path"] = target_path
-    settings["target"]["lineage_dep"] = f"{target_path.rstrip('/')}/config.json"  # docs/your-target.md, "The target in the lineage"
+    if target_path is not None:
+        settings["target"]["path"] = target_path
+        settings["target"]["lineage_dep"] = f"{target_path.rstrip('/')}/config.json"  # docs/your-target.md, "The target in the lineage"
     if warm_start:
         settings.setdefault("train", CommentedMap())["warm_start"] = warm_start
     yaml = _yaml()

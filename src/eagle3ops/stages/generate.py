@@ -35,7 +35,10 @@ def run(cfg: Config) -> None:
     with stage_run(cfg, "generate", inputs=[cfg.data.conversations, cfg.target.path],
                    extra_params=identity) as tracked:
         conversations = load_conversations(cfg.data.conversations)
-        metrics: dict = {"conversations": len(conversations)}
+        metrics: dict = {"dataset_conversations": len(conversations)}
+        if cfg.generate.max_conversations is not None:  # a pilot: the first N, the same N every run
+            conversations = conversations[: cfg.generate.max_conversations]
+        metrics["conversations"] = len(conversations)
         work = None
         if backend == "hf":
             work = _work_dir({"params": cfg.stage_digest(), "inputs": tracked.input_md5s})
@@ -85,9 +88,10 @@ def _regenerate_hf(cfg: Config, conversations: list[dict], tracked, work: Path, 
                 fresh_tokens += stats.new_tokens
             total.turns, total.new_tokens = total.turns + stats.turns, total.new_tokens + stats.new_tokens
             total.unfinished, total.wall_s = total.unfinished + stats.unfinished, total.wall_s + stats.wall_s
+            total.decode_steps += stats.decode_steps
             regenerated.extend(done)
     metrics.update(**model_size(model), turns=total.turns, new_tokens=total.new_tokens,
-                   unfinished_turns=total.unfinished,
+                   unfinished_turns=total.unfinished, decode_steps=total.decode_steps,
                    tokens_per_s=round(fresh_tokens / total.wall_s, 1) if total.wall_s else None)
     return regenerated
 

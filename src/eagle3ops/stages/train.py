@@ -113,7 +113,7 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
             "steps": result.steps, "draft_params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
             "train_tokens": result.tokens, "steps_per_s": round(result.steps_per_s, 2),
             "tokens_per_s": round(result.tokens_per_s, 1), "padding_share": round(result.padding_share, 4),
-            "simulator_s": round(result.probe_s, 1),
+            "simulator_s": round(result.probe_s, 1), "first_step_s": round(result.first_step_s, 2),
             **({"skipped_nonfinite": len(states.nonfinite)} if online else {}),
             **{key: round(value, 4) for key, value in result.final.items()},  # eval/..., sim/...
             **(_warm_start_metrics(warm) if warm else {}),

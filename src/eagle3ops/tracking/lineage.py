@@ -35,11 +35,37 @@ def git_state(root: Path) -> tuple[str, bool]:
     rewritten after every stage, the stages' outputs (metrics, plots and reports live in git) and the .gitignore
     files DVC writes beside new outputs, else the second stage of a fresh clone's first `dvc repro` would already
     call the tree dirty."""
-    commit = git(root, "rev-parse", "HEAD") or "nogit"
+    commit = git(root, "rev-parse", "HEAD")
+    if commit is None:
+        return _git_state_without_git(root)
     outputs = [f":(exclude,literal){path}" for path in lock_outputs(root / "dvc.lock")]
     status = git(root, "status", "--porcelain", "--", ".", ":(exclude,glob)**/dvc.lock", ":(exclude,glob)**/.gitignore",
                  *outputs)
     return commit, bool(status)
+
+
+def _git_state_without_git(root: Path) -> tuple[str, bool]:
+    """git_state through dulwich (DVC's own git library) on a machine without the git program, such as a lent
+    GPU machine: the same commit, the same exclusions."""
+    from dulwich import porcelain
+    from dulwich.errors import NotGitRepository
+    from dulwich.repo import Repo
+
+    try:
+        repo = Repo.discover(str(root))
+        commit = repo.head().decode()
+        status = porcelain.status(repo, untracked_files="all")
+    except (NotGitRepository, KeyError, OSError):
+        return "nogit", False
+    base, outputs = Path(repo.path).resolve(), lock_outputs(root / "dvc.lock")
+    changed = [Path(os.fsdecode(path)) for path in [*(p for paths in status.staged.values() for p in paths),
+                                                     *status.unstaged, *status.untracked]]
+
+    def counts(path: Path) -> bool:
+        relative = (base / path).relative_to(root.resolve()) if (base / path).is_relative_to(root.resolve()) else None
+        return (relative is not None and path.name not in ("dvc.lock", ".gitignore")
+                and not any(relative == Path(out) or Path(out) in relative.parents for out in outputs))
+    return commit, any(counts(path) for path in changed)
 
 
 INTERPOLATED = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*\}")  # ${train.out_dir}, ${item.init}, ${key}

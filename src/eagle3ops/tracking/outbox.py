@@ -128,7 +128,11 @@ def sync(uri: str, root: Path) -> list[str]:
                 client.log_artifact(target, str(path), artifact["artifact_path"])
         if record.get("pipeline"):
             log_pipeline_run(client, record["parent_id"], **record["pipeline"])
-        if record.get("model"):  # entries sync oldest first: a train run's model before its eval registers it
+        if record.get("model") and not (entry / record["model"]["dir"]).is_dir():
+            print(f"eagle3ops sync: {entry.name}: the drafter's weights did not come with the record (records "
+                  f"carried from another machine without them); its run is uploaded, its model not logged",
+                  file=sys.stderr)
+        elif record.get("model"):  # entries sync oldest first: a train run's model before its eval registers it
             wanted = record["model"]
             log_drafter_model(client, client.get_run(run_id), entry / wanted["dir"], wanted["name"], wanted["tags"],
                               wanted["params"])

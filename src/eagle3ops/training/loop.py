@@ -106,6 +106,7 @@ class TrainResult:
     resumed_at: tuple[int, int] = (0, 0)  # (step, tokens) this process started from
     probe_s: float = 0.0
     padding_share: float = 0.0  # of the packed rows' tokens this process trained on: their padded tails
+    first_step_s: float = 0.0  # this process's first step, compilation included: a fixed cost, whatever the data
 
     @property
     def steps_per_s(self) -> float:
@@ -161,7 +162,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     else:
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
         distributed.broadcast_from_main(weights.masters)  # DDP broadcasts the drafter's weights, not the masters
-    start, resumed_at, probe_s, row_tokens = time.perf_counter(), (step, tokens), 0.0, 0
+    start, resumed_at, probe_s, row_tokens, first_step_s = time.perf_counter(), (step, tokens), 0.0, 0, 0.0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
     depth = assembly_depth(device)
     remaining = remaining_batches(batches, step, total_steps)
@@ -174,6 +175,8 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         result.loss.backward()
         grad_norm = weights.step(optimizers, optim.grad_clip)
         step += 1
+        if step == resumed_at[0] + 1:
+            first_step_s = time.perf_counter() - start
         tokens += sum(sample["input_ids"].shape[0] for row in rows for sample in row)
         row_tokens += len(rows) * optim.packed_length
         progress.update(1)
@@ -206,7 +209,8 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
     weights.restore()
     padding = 1 - (tokens - resumed_at[1]) / row_tokens if row_tokens else 0.0
-    return TrainResult(step, tokens, wall, final, history, resumed_at, probe_s, padding), now(with_weights=False)
+    return (TrainResult(step, tokens, wall, final, history, resumed_at, probe_s, padding, first_step_s),
+            now(with_weights=False))
 
 
 class MasterWeights:

@@ -27,7 +27,7 @@ from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens
 from eagle3ops.extraction.hf import extract_features
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.fs import write_jsonl_atomic
-from eagle3ops.modeling.target import default_aux_layers, load_embedding_and_head, load_target
+from eagle3ops.modeling.target import DTYPES, default_aux_layers, load_embedding_and_head, load_target, resolve_device
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import new_drafter
 from eagle3ops.training.loop import Hooks, Recipe, train_drafter
@@ -71,17 +71,17 @@ def build_zoo(cfg: Config, run) -> dict[str, float]:
             return tokenize_dataset(tokenizer, chats, zoo.max_len, name)[0]
 
         with run.phase("train_predecessor"):
-            predecessor = build_llama(zoo.target, tokenizer, seed)
+            predecessor = build_llama(zoo.target, tokenizer, seed).to(resolve_device("auto"))
             stats = train_lm(predecessor, tokenized(predecessor_chats, "predecessor corpus"), zoo.predecessor_training,
                              seed, "zoo: predecessor")
             run.log_metrics({"zoo/predecessor_loss": stats["final_loss"]})
-            save_target(predecessor, tokenizer, work / "predecessor")
+            save_target(predecessor, tokenizer, work / "predecessor", DTYPES[zoo.dtype])
 
         with run.phase("train_successor"):
             stats = train_lm(predecessor, tokenized(successor_chats, "successor corpus"), zoo.successor_training,
                              seed + 1, "zoo: successor")  # continues from the predecessor's weights
             run.log_metrics({"zoo/successor_loss": stats["final_loss"]})
-            save_target(predecessor, tokenizer, work / "successor")
+            save_target(predecessor, tokenizer, work / "successor", DTYPES[zoo.dtype])
 
         with run.phase("train_predecessor_drafter"):
             metrics = _predecessor_drafter(cfg, tokenizer, drafter_chats, work)

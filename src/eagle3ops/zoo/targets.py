@@ -1,6 +1,7 @@
 """Tiny Llama targets: built from a config, trained on chat conversations, saved as ordinary HF checkpoints."""
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -56,9 +57,11 @@ def train_lm(model: LlamaForCausalLM, samples: list[dict], train: LMTrainConfig,
     return {"steps": step, "final_loss": loss, "wall_s": time.perf_counter() - start}
 
 
-def save_target(model: LlamaForCausalLM, tokenizer, directory: str | Path) -> None:
-    """config.json + model.safetensors + tokenizer files + generation_config.json (stops at <|im_end|>)."""
+def save_target(model: LlamaForCausalLM, tokenizer, directory: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """config.json + model.safetensors (in `dtype`) + tokenizer files + generation_config.json (stops at
+    <|im_end|>). The model itself stays as it is: the successor goes on training from the predecessor."""
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id, do_sample=False)
-    model.save_pretrained(str(directory))
+    stored = model if dtype == model.dtype else copy.deepcopy(model).to(dtype)
+    stored.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
