@@ -6,6 +6,7 @@ bigger one ("big", 4 GPUs). Every projected number below is worked out by hand i
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from eagle3ops.runs.projection import (
     Profile,
     ProjectionError,
     check_against,
+    estimate,
     fetch_pipeline,
     load_profile,
     project,
@@ -30,13 +32,19 @@ from eagle3ops.runs.projection import (
 )
 from eagle3ops.tracking.run import stage_run
 
+# A host floor of a picosecond a layer pass: negligible for the 1 G-parameter target of the hand calculation below
+# (test_host_floor_and_compile_phase has a model small enough for it to count).
 PILOT_PROFILE = {
     "name": "pilot", "gpu": "Test GPU", "gpu_count": 1, "bf16_tflops": 100, "hbm_tb_s": 1, "interconnect_gb_s": None,
-    "disk_gb_s": 1, "price_per_hour": 2, "labels": ["pilotbox"], "notes": "round numbers for the tests",
+    "disk_gb_s": 1, "layer_pass_ms": 1e-9, "price_per_hour": 2, "compile_s": 0, "compile_cached_s": 0,
+    "labels": ["pilotbox"],
+    "notes": "round numbers for the tests",
 }
 BIG_PROFILE = {
     "name": "big", "gpu": "Bigger test GPU", "gpu_count": 4, "bf16_tflops": 400, "hbm_tb_s": 4, "interconnect_gb_s": 100,
-    "disk_gb_s": 2, "price_per_hour": 10, "labels": ["bigbox"], "notes": "round numbers for the tests",
+    "disk_gb_s": 2, "layer_pass_ms": 1e-9, "price_per_hour": 10, "compile_s": 0, "compile_cached_s": 0,
+    "labels": ["bigbox"],
+    "notes": "round numbers for the tests",
 }
 
 # The pilot: 1,000 samples; a dense 1 G-parameter target in bf16 (2 GB) with 10 layers of hidden size 1,000.
@@ -193,6 +201,61 @@ def test_without_target_config_interconnect_is_left_out_and_said(store: Store) -
     assert "Interconnect" in projection.notes[0] and "Interconnect" in render(projection)
 
 
+def test_host_floor_and_compile_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1 M-parameter target of 10 layers: every phase is bound by the host's floor a layer pass, which only the
+    profile's layer_pass_ms moves; the training loop's compilation is a phase of its own that does not scale."""
+    uri = isolate(monkeypatch, tmp_path)
+    small = {"target_params": 1e6, "target_bytes": 2e6}
+    record_pipeline(monkeypatch, "small-model", "hostbox", {
+        "prepare": ("prepare", None, {"conversations": 100}),
+        "generate": ("generate", "hf", {"time/generate_s": 3.0, "new_tokens": 1000, "decode_steps": 100, **small}),
+        # train: loop 1e4 tokens / 1,000 tok/s = 10 s, of which the first step 3 s; held-out evaluation 12 - 10 = 2 s
+        "train@scratch": ("train", "scratch", {"time/train_s": 12.0, "first_step_s": 3.0, "train_tokens": 1e4,
+                                               "tokens_per_s": 1000, "steps": 11, "draft_params": 1e3}),
+        "train@warm_start": ("train", "warm_start", {"time/train_s": 12.0, "first_step_s": 3.0, "train_tokens": 1e4,
+                                                     "tokens_per_s": 1000, "steps": 11, "draft_params": 1e3}),
+    })
+    (tmp_path / "models/zoo/successor").mkdir(parents=True)
+    (tmp_path / "models/zoo/successor/config.json").write_text(json.dumps({"num_hidden_layers": 10, "hidden_size": 64}))
+    host_pilot, host_big = (load_profile(write_profile(tmp_path, {**base, **change})) for base, change in (
+        (PILOT_PROFILE, {"name": "hostpilot", "layer_pass_ms": 1.0, "labels": ["hostbox"]}),
+        (PILOT_PROFILE, {"name": "hostbig", "bf16_tflops": 400, "hbm_tb_s": 4, "layer_pass_ms": 0.25, "compile_s": 40,
+                         "compile_cached_s": 8, "labels": ["hostbig"]})))
+    client = MlflowClient(uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
+                                   "tags.`eagle3ops.role` = 'pipeline'")
+    record = fetch_pipeline(client, parent.info.run_id)
+    projection = project(record, 400, [host_big, host_pilot], known=[host_pilot],
+                         shape=read_target_shape(record, tmp_path))
+    big = {row.phase.name: row.estimates["hostbig"] for row in projection.rows}
+    own = {row.phase.name: row.estimates["hostpilot"] for row in projection.rows}
+    assert list(big) == ["generate", "train@scratch compile", "train@scratch", "train@warm_start compile",
+                         "train@warm_start"]
+    assert [row.phase.measured_s for row in projection.rows] == pytest.approx([3.0, 5.0, 7.0, 5.0, 7.0])
+
+    # generate: host 100 decode steps * 10 layers = 1,000 passes: 1 s on the pilot (1 ms), 0.25 s on big, taken as
+    # they are. The peak resources took the other 3 - 1 = 2 s: compute 2e6 * 1000 = 2e9 FLOP (2e-5 s on the pilot,
+    # 5e-6 s on big), HBM 2e6 B * 100 steps = 2e8 B (2e-4 s, 5e-5 s): 2 / 2.2e-4 * 5.5e-5 = 0.5 s on big.
+    # (0.5 + 0.25) * 4 (400 / 100 samples) = 3 s; the largest part is HBM's 0.4545 s.
+    assert big["generate"].seconds == pytest.approx(3.0)
+    assert big["generate"].dominant == "memory"
+    # train, the loop less its first step: host (11 - 1) steps * 5 TTT steps * 3 passes = 150 passes: 0.15 s on the
+    # pilot, 0.0375 s on big; compute 6 * 1e3 * 1e4 * 5 = 3e8 FLOP: 3e-6 s and 7.5e-7 s, so the other
+    # 7 - 0.15 = 6.85 s become 6.85 / 4 on big. (1.7125 + 0.0375) * 4 = 7 s.
+    assert big["train@scratch"].seconds == pytest.approx(7.0)
+    # the compilation: big compiles (compile_s 40, a cold cache: the run's first train stage); the pilot's own
+    # profile runs eager, so there it is what the pilot measured, whatever the samples
+    assert (big["train@scratch compile"].seconds, own["train@scratch compile"].seconds) == (40.0, 5.0)
+    assert big["train@scratch compile"].dominant == "fixed"
+    assert big["train@warm_start compile"].seconds == 8.0  # the second finds the graphs in the cache
+    # a phase measured below its host floor scales the floor down: 0.5 s measured against 1 s of host time
+    fast = next(row.phase for row in projection.rows if row.phase.name == "generate")
+    fast = dataclasses.replace(fast, measured_s=0.5)
+    assert estimate(fast, host_pilot, host_big, 1.0).seconds == pytest.approx(0.5 * 0.25 / 1.0)
+    assert estimate(fast, host_pilot, host_pilot, 1.0).seconds == pytest.approx(0.5)
+    assert own["generate"].seconds == pytest.approx(12.0) and own["train@scratch"].seconds == pytest.approx(28.0)
+
+
 def test_measured_run_comparison(store: Store) -> None:
     projection = pilot_projection(store)
     check = check_against(projection, fetch_pipeline(store.client(), store.measured_id), [store.pilot, store.big])
@@ -200,7 +263,8 @@ def test_measured_run_comparison(store: Store) -> None:
     # halve: generate 8.7 / 2 = 4.35, extract 58.625 / 2 = 29.3125, train@scratch 75 / 2 = 37.5; load 2 and
     # eval 4.07 stay. train@warm_start is not in the measured run.
     assert check.samples == 5000
-    rows = {phase: (target.name, projected, measured) for phase, target, projected, measured in check.rows}
+    rows = {phase: (target.name, projected, measured) for phase, target, projected, measured, _ in check.rows}
+    assert all(at_work is None for *_, at_work in check.rows)  # the measured run logged timings, no counters
     assert list(rows) == ["load", "generate", "extract", "train@scratch", "eval@scratch"]
     assert {phase: r[0] for phase, r in rows.items()} == dict.fromkeys(rows, "big")
     assert [r[1] for r in rows.values()] == pytest.approx([2.0, 4.35, 29.3125, 37.5, 4.07])
@@ -210,6 +274,16 @@ def test_measured_run_comparison(store: Store) -> None:
     text = render(projection)
     assert "Projection vs measured run hero-on-big" in text
     assert "| train@scratch | big      | 37.5          | 30.0         | 0.80" in text
+
+
+def test_a_run_checked_against_itself_is_exact_in_both_columns(store: Store) -> None:
+    """Projected onto its own hardware and sample count, with its own work: each phase is what it measured."""
+    record = fetch_pipeline(store.client(), store.pilot_id)
+    projection = project(record, 1000, [store.pilot], known=[store.pilot], shape=read_target_shape(record, store.root))
+    check = check_against(projection, record, [store.pilot])
+    assert [row[0] for row in check.rows] == [row.phase.name for row in projection.rows]
+    for phase, _, projected, measured, at_work in check.rows:
+        assert projected == pytest.approx(measured) and at_work == pytest.approx(measured), phase
 
 
 def table_row(text: str, phase: str) -> list[str]:
@@ -277,6 +351,9 @@ def test_cli_other_errors(store: Store, capsys) -> None:
     ({"gpu_count": 0}, "gpu_count", "whole number >= 1"),
     ({"gpu_count": 8}, "interconnect_gb_s", "null only with gpu_count 1"),
     ({"labels": []}, "labels", "non-empty list"),
+    ({"layer_pass_ms": 0}, "layer_pass_ms", "must be a positive number"),
+    ({"compile_s": -1}, "compile_s", "must be a number >= 0"),
+    ({"compile_cached_s": None}, "compile_cached_s", "must be a number >= 0"),
     ({"nvlink": True}, "nvlink", "unknown key"),
     ({"name": "other"}, "name", "differs from the file name"),
 ])

@@ -3,7 +3,7 @@
 The model, phase by phase
 -------------------------
 A pilot run (say 1,000 samples) measured each phase's wall time. Each phase also left counters from which its
-demand on four resources follows:
+demand on five resources follows:
 
 =============  =========================================================================================
 resource       demand
@@ -22,23 +22,35 @@ interconnect   bytes each GPU sends in tensor-parallel all-reduces, when a phase
                hidden size are read from the target's config.json (`text_config` when it nests one);
                without it this resource is left out and the report says so.
 disk           bytes read or written: a target load reads target_bytes; extract writes `bytes`.
+host           decoder-layer passes run one after another: each sequential forward of an L-layer model
+               is L passes, and each costs the host a floor of Python, kernel launches and syncs
+               (the profile's layer_pass_ms) that no FLOP or byte count sees. It is what bounds a small
+               model, or a small batch, on a GPU: the GPU-sized zoo's 22M-parameter target decodes at
+               ~28 ms a step on an H200 whose HBM would allow 0.01 ms. Read from the target's config.json
+               (the layer count), like interconnect.
 =============  =========================================================================================
 
 Phases and their counters (the stage that measured them, the timer):
 
 - load (extract's `time/load_s`): disk reads target_bytes. Uses all GPUs (the weights are spread over them).
   Does not grow with the number of samples.
-- generate (`time/generate_s`): compute over new_tokens; memory target_bytes * new_tokens / generate.batch_size
-  decode steps (full batches assumed); interconnect over new_tokens. Prompt prefill is not counted (no counter
-  for prompt tokens). All GPUs.
-- extract (`time/extract_s`): compute over `tokens`; memory target_bytes * samples / extract.batch_size forward
-  passes; interconnect over `tokens`; disk writes `bytes`. All GPUs.
-- train@<init> (`time/train_s`): compute only (the training step above). One GPU: this pipeline trains the
-  drafter on one device, whatever the machine has.
+- generate (`time/generate_s`): compute over new_tokens; memory target_bytes * decode_steps (each batch decodes
+  until its longest answer ends; runs without the counter: new_tokens / generate.batch_size, full batches);
+  interconnect over new_tokens; host decode_steps * L. Prompt prefill is not counted (no counter for prompt
+  tokens). All GPUs.
+- extract (`time/extract_s`): compute over `tokens`; memory target_bytes * ceil(samples / extract.batch_size)
+  forward passes; interconnect over `tokens`; disk writes `bytes`; host passes * L. All GPUs.
+- train@<init> compile (`first_step_s` + the held-out evaluation after the loop: `time/train_s` - train_tokens /
+  tokens_per_s): the loop's one-off part, compilation on a GPU. Not split over resources, not scaled: the time
+  described below (a cold cache costs 51 s on the H200, a warm one 11 s).
+- train@<init> (`time/train_s` less the above): compute (the training step above); host (steps - 1) *
+  ttt_steps * 3 (the drafter's one layer forward and backward in each TTT step). One GPU: this pipeline trains
+  the drafter on one device, whatever the machine has.
 - eval@<drafter> (`time/decode_s`): the phase runs speculative decoding (verify_steps target forwards of k + 1
   tokens) and then the target's plain greedy decoding as the losslessness reference (about emitted_tokens
   forwards of one token). Compute 2 * target_params * (verify_steps * (k + 1) + emitted_tokens); memory
-  target_bytes * (verify_steps + emitted_tokens). One GPU. It does not grow with the number of samples: it runs
+  target_bytes * (verify_steps + emitted_tokens); host (verify_steps + emitted_tokens) * L + verify_steps * k
+  (the drafter's k one-layer passes a step). One GPU. It does not grow with the number of samples: it runs
   the fixed held-out prompt set (`data.eval_prompts`), not a share of the training data.
 
 The target's size comes from the phase's own stage, else from extract's (every stage runs the same target.path).
@@ -47,24 +59,32 @@ only a few, so compute demand is overstated and the split below leans toward com
 
 From measured time to projected time: the ideal time of a resource on a profile is demand / capacity, with
 capacity = per-GPU figure * GPUs used for compute and memory, the per-GPU link rate for interconnect, the
-machine's rate for disk. The measured time is split into parts in proportion to the ideal times on the pilot's
-profile (no overlap between resources is assumed); each part is scaled by ideal(target) / ideal(pilot), which is
-capacity(pilot) / capacity(target) when the demand does not depend on the GPU count, and by the work ratio
-N / pilot samples (not for load and eval, see above). Written out:
+machine's rate for disk, 1 / layer_pass_ms for host (one process drives the passes). The host figure is an
+achieved time, measured, so it is taken as it is; the others are peak capacities, which a phase reaches only in
+part. The measured time less the pilot's host time is what the peak resources took, split in proportion to their
+ideal times on the pilot's profile (no overlap between resources is assumed); each part is scaled by ideal(target)
+/ ideal(pilot), which is capacity(pilot) / capacity(target) when the demand does not depend on the GPU count, and
+by the work ratio N / pilot samples (not for load and eval, see above). Written out:
 
-    slowdown  = measured_s / sum(ideal_s(pilot profile))            # the pilot's distance from ideal
-    projected = slowdown * sum(ideal_s(target profile)) * work_ratio
+    slowdown  = (measured_s - host_s(pilot)) / sum(peak ideal_s(pilot profile))   # the pilot's distance from ideal
+    projected = (slowdown * sum(peak ideal_s(target profile)) + host_s(target)) * work_ratio
 
-so a resource the pilot did not use (all-reduce when the pilot had one GPU) enters at the pilot's slowdown. The
-dominant resource of a phase on a profile is the one with the largest ideal time there. Cost = projected hours
-* the profile's price per hour (the whole machine, also while a phase uses one of its GPUs).
+(where a phase measured less than its host time, host_s(target) is scaled down by measured / host_s(pilot)), so
+a resource the pilot did not use (all-reduce when the pilot had one GPU) enters at the pilot's slowdown. The
+dominant resource ("bound") is the largest of those parts on the target profile. The compile phases are not
+scaled: on a profile that compiles (compile_s > 0) they take its compile_s (the run's first train stage, a cold
+cache) and compile_cached_s (the next: the graphs are in the cache); on one that runs eager, the pilot's own
+measured time on its own profile. Cost = projected hours * the profile's price per hour (the whole machine, also
+while a phase uses one of its GPUs).
 
 Pilot samples: prepare's `conversations` (the pipeline's input dataset), else generate's, else extract's
 `samples`. Pilot profile: `--from`, else for each stage the profile whose `labels` contain that stage's
-`hardware.label` tag (a stage DVC skipped carries the label of the machine that produced its outputs). Profiles are YAML files: the shipped ones in `eagle3ops/runs/profiles/`, or a path to your own.
+`hardware.label` tag (a stage DVC skipped carries the label of the machine that produced its outputs). Profiles are
+YAML files: the shipped ones in `eagle3ops/runs/profiles/`, or a path to your own.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -81,11 +101,12 @@ from eagle3ops.errors import InputError
 from eagle3ops.runs.records import PipelineRecord, StageRecord, load_pipeline
 from eagle3ops.tracking.store import ROLE_TAG
 
-RESOURCES = ("compute", "memory", "interconnect", "disk")
+RESOURCES = ("compute", "memory", "interconnect", "disk", "host")
 ALLREDUCES_PER_LAYER = 2  # tensor parallelism: one after attention, one after the MLP
 ACTIVATION_BYTES = 2  # bf16
-PROFILE_NUMBERS = ("bf16_tflops", "hbm_tb_s", "interconnect_gb_s", "disk_gb_s", "price_per_hour")
-PROFILE_KEYS = ("name", "gpu", "gpu_count", *PROFILE_NUMBERS, "labels", "notes")
+TRAIN_PASSES_PER_TTT_STEP = 3  # the drafter's one decoder layer: a forward and a backward (about two forwards' work)
+PROFILE_NUMBERS = ("bf16_tflops", "hbm_tb_s", "interconnect_gb_s", "disk_gb_s", "layer_pass_ms", "price_per_hour")
+PROFILE_KEYS = ("name", "gpu", "gpu_count", *PROFILE_NUMBERS, "compile_s", "compile_cached_s", "labels", "notes")
 SAMPLE_COUNTERS = (("prepare", "conversations"), ("generate", "conversations"), ("extract", "samples"))
 
 
@@ -104,7 +125,10 @@ class Profile:
     hbm_tb_s: float  # per GPU
     interconnect_gb_s: float | None  # per GPU, per direction; None only with one GPU
     disk_gb_s: float  # the machine's
+    layer_pass_ms: float  # host time of one decoder layer in a sequential forward: Python, launches, syncs
     price_per_hour: float  # USD, the whole machine
+    compile_s: float  # the training loop's compilation there, from a cold cache (0: it runs eager, as on a CPU)
+    compile_cached_s: float  # the same with the graphs in the cache: the second train stage of a run
     labels: tuple[str, ...]
     notes: str
     source: str  # the YAML file
@@ -118,6 +142,8 @@ class Profile:
         if resource == "interconnect":
             assert self.interconnect_gb_s is not None, "asked only with gpus > 1, where the profile must give it"
             return self.interconnect_gb_s * 1e9
+        if resource == "host":  # one process drives the passes in turn, however many GPUs it spreads them over
+            return 1e3 / self.layer_pass_ms
         return self.disk_gb_s * 1e9
 
 
@@ -147,12 +173,17 @@ def parse_profile(data: Any, source: str) -> Profile:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
             allowed = " (null only with gpu_count 1)" if key == "interconnect_gb_s" else ""
             raise fail(key, f"must be a positive number{allowed}, got {value!r}")
+    for key in ("compile_s", "compile_cached_s"):
+        value = data[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise fail(key, f"must be a number >= 0, got {value!r}")
     labels = data["labels"]
     if not isinstance(labels, list) or not labels or not all(isinstance(x, str) and x for x in labels):
         raise fail("labels", f"must be a non-empty list of hardware labels, got {labels!r}")
     numbers = {key: None if data[key] is None else float(data[key]) for key in PROFILE_NUMBERS}
-    return Profile(name=data["name"], gpu=data["gpu"], gpu_count=count, **numbers, labels=tuple(labels),
-                   notes=data["notes"], source=source)
+    return Profile(name=data["name"], gpu=data["gpu"], gpu_count=count, **numbers, compile_s=float(data["compile_s"]),
+                   compile_cached_s=float(data["compile_cached_s"]), labels=tuple(labels), notes=data["notes"],
+                   source=source)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -206,8 +237,9 @@ class TargetShape:
 
 def read_target_shape(record: PipelineRecord, root: str | Path = ".") -> TargetShape | None:
     """Layers and hidden size of the run's target from `<root>/<target.path>/config.json`; None if unreadable."""
-    stage = record.stages.get("extract")
-    target = stage.params.get("target.path") if stage else None
+    stages = [record.stages["extract"]] if "extract" in record.stages else []
+    target = next((s.params["target.path"] for s in [*stages, *record.stages.values()] if "target.path" in s.params),
+                  None)
     if not target:
         return None
     path = Path(root) / target / "config.json"
@@ -225,6 +257,7 @@ class Demand:
     hbm_bytes: float = 0.0
     allreduce_bytes: float = 0.0  # the all-reduced buffers' total size; each GPU sends 2 * (g-1)/g of it
     disk_bytes: float = 0.0
+    layer_passes: float = 0.0  # decoder layers run one after another, summed over the sequential forwards
 
 
 @dataclass(frozen=True)
@@ -235,6 +268,7 @@ class Phase:
     all_gpus: bool  # False: one GPU, whatever the machine has
     scales: bool  # grows with the number of samples
     demand: Demand
+    fixed: str | None = None  # a one-off cost: "cold" (the run's first compilation) or "cached" (a later one)
 
 
 def _timed_stages(record: PipelineRecord) -> list[tuple[str, StageRecord, str]]:
@@ -273,34 +307,67 @@ def _demand(record: PipelineRecord, phase: str, stage: StageRecord, shape: Targe
     def counter(name: str) -> float:
         return _counter(record, stage, name)
 
+    layers = shape.layers if shape else 0  # unknown depth: no host demand (the report says so)
     if phase == "load":
         return Demand(disk_bytes=counter("target_bytes"))
     if phase == "generate":
         tokens = counter("new_tokens")
-        steps = tokens / _param(record, stage, "generate.batch_size")
+        # runs recorded before the decode_steps counter: full batches assumed
+        steps = counter("decode_steps") if "decode_steps" in stage.metrics else (
+            tokens / _param(record, stage, "generate.batch_size"))
         return Demand(2 * counter("target_params") * tokens, counter("target_bytes") * steps,
-                      _allreduce_bytes(shape, tokens))
+                      _allreduce_bytes(shape, tokens), layer_passes=steps * layers)
     if phase == "extract":
         tokens = counter("tokens")
-        passes = counter("samples") / _param(record, stage, "extract.batch_size")
+        passes = math.ceil(counter("samples") / _param(record, stage, "extract.batch_size"))
         return Demand(2 * counter("target_params") * tokens, counter("target_bytes") * passes,
-                      _allreduce_bytes(shape, tokens), counter("bytes"))
+                      _allreduce_bytes(shape, tokens), counter("bytes"), passes * layers)
     if phase.startswith("train@"):
         # runs recorded before the TTT depth was a param only logged it as a metric
         ttt_steps = counter("ttt_steps") if "ttt_steps" in stage.metrics else _param(record, stage, "train.ttt_steps")
-        return Demand(flops=6 * counter("draft_params") * counter("train_tokens") * ttt_steps)
+        steps = counter("steps") - ("first_step_s" in stage.metrics)  # the first is the fixed phase's
+        return Demand(flops=6 * counter("draft_params") * counter("train_tokens") * ttt_steps,
+                      layer_passes=steps * ttt_steps * TRAIN_PASSES_PER_TTT_STEP)
     steps = counter("verify_steps")  # eval@<drafter>
     # Runs recorded before the emitted_tokens counter: tau = emitted / steps = 1 + accepted / steps.
     emitted = counter("emitted_tokens") if "emitted_tokens" in stage.metrics else steps + counter("accepted_tokens")
     k = _param(record, stage, "eval.k")
-    return Demand(2 * counter("target_params") * (steps * (k + 1) + emitted), counter("target_bytes") * (steps + emitted))
+    # the target verifies (steps) and decodes the reference (emitted); the one-layer drafter drafts k a step
+    return Demand(2 * counter("target_params") * (steps * (k + 1) + emitted), counter("target_bytes") * (steps + emitted),
+                  layer_passes=(steps + emitted) * layers + steps * k)
+
+
+def _train_fixed_s(stage: StageRecord) -> float | None:
+    """A train phase's one-off part: its first step (the compilation, on a GPU) and the held-out evaluation after
+    the loop (compiled again, without gradients); None for runs recorded before the first_step_s counter."""
+    m = stage.metrics
+    if "first_step_s" not in m or not m.get("tokens_per_s"):
+        return None
+    loop_s = m["train_tokens"] / m["tokens_per_s"]  # the loop alone (tokens_per_s: to 0.1 tok/s)
+    return m["first_step_s"] + max(m["time/train_s"] - loop_s, 0.0)
+
+
+def _measured(record: PipelineRecord) -> list[tuple[str, StageRecord, float, str | None]]:
+    """(phase, stage run, seconds, one-off kind) for every phase the run measured, in pipeline order: a train
+    stage's time split into its compilation (the run's first "cold", the next ones "cached": the same shapes) and
+    the rest."""
+    measured, compiled = [], False
+    for name, stage, timer in _timed_stages(record):
+        seconds = stage.metrics[timer]
+        fixed = _train_fixed_s(stage) if name.startswith("train@") else None
+        if fixed is not None:
+            measured.append((f"{name} compile", stage, fixed, "cached" if compiled else "cold"))
+            seconds, compiled = seconds - fixed, True
+        measured.append((name, stage, seconds, None))
+    return measured
 
 
 def phases(record: PipelineRecord, shape: TargetShape | None) -> list[Phase]:
     """The run's measured phases with their resource demands (see the module docstring)."""
-    return [Phase(name, stage, stage.metrics[timer], all_gpus=name in ("load", "generate", "extract"),
-                  scales=name != "load" and not name.startswith("eval@"), demand=_demand(record, name, stage, shape))
-            for name, stage, timer in _timed_stages(record)]
+    return [Phase(name, stage, seconds, all_gpus=name in ("load", "generate", "extract"),
+                  scales=not fixed and name != "load" and not name.startswith("eval@"),
+                  demand=Demand() if fixed else _demand(record, name, stage, shape), fixed=fixed)
+            for name, stage, seconds, fixed in _measured(record)]
 
 
 def pilot_samples(record: PipelineRecord) -> int:
@@ -323,7 +390,7 @@ def ideal_seconds(phase: Phase, profile: Profile) -> dict[str, float]:
     gpus = gpus_used(phase, profile)
     traffic = phase.demand.allreduce_bytes * 2 * (gpus - 1) / gpus  # per GPU, ring all-reduce
     demand = {"compute": phase.demand.flops, "memory": phase.demand.hbm_bytes, "interconnect": traffic,
-              "disk": phase.demand.disk_bytes}
+              "disk": phase.demand.disk_bytes, "host": phase.demand.layer_passes}
     return {r: demand[r] / profile.capacity(r, gpus) if demand[r] else 0.0 for r in RESOURCES}
 
 
@@ -334,16 +401,26 @@ class Estimate:
     gpus: int
 
 
-def estimate(phase: Phase, pilot: Profile, target: Profile, work_ratio: float) -> Estimate:
-    """The phase's projected wall time on `target`, `work_ratio` times the pilot's work (see the docstring)."""
-    pilot_ideal = sum(ideal_seconds(phase, pilot).values())
-    if pilot_ideal <= 0:
+def estimate(phase: Phase, pilot: Profile, target: Profile, work_ratio: float, work: Demand | None = None) -> Estimate:
+    """The phase's projected wall time on `target`, `work_ratio` times the pilot's work, or `work` itself (see the
+    docstring)."""
+    if phase.fixed:
+        if target.compile_s > 0:
+            return Estimate(target.compile_s if phase.fixed == "cold" else target.compile_cached_s, "fixed", 1)
+        return Estimate(phase.measured_s if target.name == pilot.name else 0.0, "fixed", 1)  # eager: no compiling
+    pilot_ideal = ideal_seconds(phase, pilot)
+    target_ideal = ideal_seconds(phase if work is None else dataclasses.replace(phase, demand=work), target)
+    pilot_rest = sum(seconds for resource, seconds in pilot_ideal.items() if resource != "host")
+    if pilot_rest + pilot_ideal["host"] <= 0:
         raise ProjectionError(f"stage {phase.stage.dvc_stage}: its counters give phase {phase.name} no resource demand")
-    slowdown = phase.measured_s / pilot_ideal
-    target_ideal = ideal_seconds(phase, target)
+    # host: an achieved floor, taken as it is (scaled down where the phase measured less than it); the resources
+    # with peak capacities share what is left, at the pilot's distance from their ideal
+    host_share = min(1.0, phase.measured_s / pilot_ideal["host"]) if pilot_ideal["host"] else 0.0
+    slowdown = max(phase.measured_s - pilot_ideal["host"], 0.0) / pilot_rest if pilot_rest else 0.0
+    parts = {resource: (host_share if resource == "host" else slowdown) * seconds
+             for resource, seconds in target_ideal.items()}
     ratio = work_ratio if phase.scales else 1.0
-    return Estimate(slowdown * sum(target_ideal.values()) * ratio, max(RESOURCES, key=target_ideal.__getitem__),
-                    gpus_used(phase, target))
+    return Estimate(sum(parts.values()) * ratio, max(RESOURCES, key=parts.__getitem__), gpus_used(phase, target))
 
 
 def pilot_profiles(record: PipelineRecord, known: list[Profile], override: Profile | None) -> dict[str, Profile]:
@@ -368,7 +445,10 @@ class Check:
     """Projected vs measured on the measured run's own hardware and sample count."""
     run: PipelineRecord
     samples: int
-    rows: list[tuple[str, Profile, float, float]]  # phase, profile it ran on, projected s, measured s
+    # phase, profile it ran on, projected s, measured s, and projected at the measured run's own work (its
+    # counters: eval's verification steps follow the drafter's tau, tokens per sample the data): the speed model
+    # alone; None where the measured run has no counters for the phase
+    rows: list[tuple[str, Profile, float, float, float | None]]
 
 
 @dataclass
@@ -424,13 +504,20 @@ def check_against(projection: Projection, measured: PipelineRecord, known: list[
     ratio = samples / projection.pilot_samples
     candidates = _unique(known + projection.targets)
     ran_on = pilot_profiles(measured, candidates, None)
-    times = {phase: (stage, stage.metrics[timer]) for phase, stage, timer in _timed_stages(measured)}
+    times = {phase: (stage, seconds) for phase, stage, seconds, _ in _measured(measured)}
+    try:
+        work = {phase.name: phase.demand for phase in phases(measured, projection.shape)}
+    except ProjectionError:  # a run recorded without the counters: the timings still compare
+        work = {}
     rows = []
     for row in projection.rows:
         if row.phase.name in times:
             stage, seconds = times[row.phase.name]
             target = ran_on[stage.dvc_stage]
-            rows.append((row.phase.name, target, estimate(row.phase, row.pilot, target, ratio).seconds, seconds))
+            at_work = (estimate(row.phase, row.pilot, target, 1.0, work[row.phase.name]).seconds
+                       if row.phase.name in work else None)
+            rows.append((row.phase.name, target, estimate(row.phase, row.pilot, target, ratio).seconds, seconds,
+                         at_work))
     if not rows:
         raise ProjectionError(f"run {measured.run_id} ({measured.name}) has none of the pilot's phases to compare with")
     return Check(measured, samples, rows)
@@ -442,7 +529,8 @@ def _unique(profiles: list[Profile]) -> list[Profile]:
 
 # ----------------------------------------------------------------------------------------------------------- report
 
-RESOURCE_NAMES = {"compute": "compute", "memory": "HBM", "interconnect": "interconnect", "disk": "disk"}
+RESOURCE_NAMES = {"compute": "compute", "memory": "HBM", "interconnect": "interconnect", "disk": "disk",
+                  "host": "host", "fixed": "fixed"}
 
 
 def _num(value: float) -> str:
@@ -500,14 +588,22 @@ def render(projection: Projection) -> str:
 
 
 def _render_check(check: Check) -> list[str]:
-    table = [[phase, target.name, _num(projected), _num(measured), f"{measured / projected:.2f}" if projected else "-"]
-             for phase, target, projected, measured in check.rows]
-    projected_total, measured_total = sum(r[2] for r in check.rows), sum(r[3] for r in check.rows)
-    table.append(["**total**", "", _num(projected_total), _num(measured_total),
-                  f"{measured_total / projected_total:.2f}" if projected_total else "-"])
+    def ratio(measured: float, projected: float | None) -> str:
+        return f"{measured / projected:.2f}" if projected else "-"
+
+    table = [[phase, target.name, _num(projected), _num(measured), ratio(measured, projected),
+              _num(at_work) if at_work is not None else "-", ratio(measured, at_work)]
+             for phase, target, projected, measured, at_work in check.rows]
+    totals = [sum(r[i] for r in check.rows) for i in (2, 3)]
+    at_work = None if any(r[4] is None for r in check.rows) else sum(r[4] for r in check.rows)
+    table.append(["**total**", "", _num(totals[0]), _num(totals[1]), ratio(totals[1], totals[0]),
+                  _num(at_work) if at_work is not None else "-", ratio(totals[1], at_work)])
     return [f"## Projection vs measured run {check.run.name} ({check.run.run_id}), {check.samples:,} samples", "",
-            tabulate(table, ["phase", "ran on", "projected s", "measured s", "measured / projected"],
-                     tablefmt="github", disable_numparse=True)]
+            tabulate(table, ["phase", "ran on", "projected s", "measured s", "measured / projected",
+                             "at its work s", "measured / at its work"], tablefmt="github", disable_numparse=True),
+            "", "at its work = projected with the measured run's own counters instead of the pilot's times the "
+            "work ratio (eval's verification steps follow the drafter's tau; tokens and decode steps a sample, the "
+            "data): where the two ratios differ, the work was mispredicted, not the speed."]
 
 
 # ------------------------------------------------------------------------------------------------------------ runs
