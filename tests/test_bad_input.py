@@ -464,3 +464,23 @@ def test_export_into_a_read_only_place(workdir, capsys, tiny_target_dir):
         assert len(err.strip().splitlines()) == 1 and not list(shelf.iterdir())
     finally:
         subprocess.run(["umount", "-l", str(shelf)], capture_output=True)
+
+
+# ------------------------------------------------------------------------------------------------- a pilot's share
+
+def test_generate_takes_the_first_max_conversations(workdir, capsys, tiny_target_dir):
+    write_jsonl(workdir / "data" / "zoo" / "conversations.jsonl", [conversation(i) for i in range(6)])
+    base = {"target": {"path": str(tiny_target_dir)}, "data": {"conversations": "data/zoo/conversations.jsonl"}}
+    rc, err = run_cli("generate", write_params(workdir, {**base, "generate": {"backend": "none",
+                                                                              "max_conversations": 0}}), capsys)
+    assert rc == 2 and "generate.max_conversations" in err and "at least 1" in err
+    assert not (workdir / CONVERSATIONS).exists()
+
+    rc, err = run_cli("generate", write_params(workdir, {**base, "generate": {"backend": "none",
+                                                                              "max_conversations": 4}}), capsys)
+    assert rc == 0, err
+    kept = [json.loads(line) for line in (workdir / CONVERSATIONS).read_text().splitlines()]
+    assert [c["id"] for c in kept] == [json.loads(line)["id"] for line in
+                                       (workdir / "data/zoo/conversations.jsonl").read_text().splitlines()[:4]]
+    metrics = json.loads((workdir / "metrics" / "generate.json").read_text())
+    assert metrics["conversations"] == 4 and metrics["dataset_conversations"] == 6

@@ -132,3 +132,31 @@ def test_a_drafter_trained_and_evaluated_offline_is_logged_and_registered_by_syn
     assert {m.key: m.value for m in model.metrics} == {"tau": 2.5, "tau/gsm8k": 2.6}
     version = client.get_model_version_by_alias(NAME, "champion")
     assert version.source == f"models:/{model.model_id}" and MEASURED.target in version.description
+
+
+def test_records_carried_without_the_drafter_weights_upload_all_but_the_model(workspace, capsys):
+    """Records brought from a machine that kept the weights to itself (bench/gpu_pipeline.sh packs them so): every
+    run, metric and artifact is uploaded; the model is not logged, nor registered, and sync says why."""
+    import shutil
+
+    from test_registry import evaluated, trained
+
+    root, server, cfg = workspace
+    sha = trained(root, cfg, "scratch", 0)
+    evaluated(cfg, sha, 2.5)
+    train_entry = pending(root)[0]
+    shutil.rmtree(train_entry / "files" / "model")
+
+    server.start()
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    err = capsys.readouterr().err
+    assert f"{train_entry.name}: the drafter's weights did not come with the record" in err
+    assert "its drafter is not registered" in err
+    assert not pending(root)
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("eagle3ops").experiment_id
+    runs = client.search_runs([experiment], "tags.`eagle3ops.role` = 'stage'")
+    assert sorted(r.data.tags["eagle3ops.dvc_stage"] for r in runs) == ["eval@scratch", "train@scratch"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.tags["eagle3ops.dvc_stage"]: r.data.metrics.get("tau") for r in runs}["eval@scratch"] == 2.5
+    assert not client.search_logged_models([experiment])

@@ -249,3 +249,25 @@ def test_pinned_revision_is_checked_against_the_download(tmp_path):
     cached = model_dir(tmp_path / "hub" / "models--org--model" / "snapshots" / commit)  # the hub cache's layout
     assert downloaded_revision(cached) == commit
     assert downloaded_revision(model_dir(tmp_path / "plain")) is None
+
+
+def test_zoo_gpu_preset_sizes_the_zoo_and_takes_no_target(tmp_path, params, capsys):
+    """The GPU-sized embedded default: targets of tens of millions of parameters, stored in bf16, the pipeline in
+    bf16; the zoo's own target paths stay, and a --target-path is refused."""
+    from eagle3ops.zoo.targets import build_llama
+
+    assert main(["preset", "zoo-gpu", "--params", str(params)]) == 0, capsys.readouterr().err
+    cfg = load_config(params)
+    assert cfg.target.path == "models/zoo/successor" and cfg.target.lineage_dep == "models/zoo/successor"
+    assert cfg.target.dtype == cfg.zoo.dtype == cfg.extract.dtype == "bfloat16"
+    assert cfg.zoo.conversations == 4096 and cfg.generate.max_conversations is None
+    assert cfg.data.draft_vocab_size == cfg.zoo.draft_vocab_size < cfg.zoo.tokenizer_vocab_size
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: cfg.zoo.tokenizer_vocab_size, "bos_token_id": 1,
+                                       "eos_token_id": 2, "pad_token_id": 0})()
+    with torch.device("meta"):
+        target = build_llama(cfg.zoo.target, tokenizer, seed=0)
+    assert 20e6 < sum(p.numel() for p in target.parameters()) < 30e6
+    assert main(["preset", "zoo-gpu", "--target-path", str(tmp_path), "--params", str(params)]) == 1
+    assert "builds its own target" in capsys.readouterr().err
+    assert main(["preset", "qwen3-8b", "--params", str(params)]) == 1
+    assert "give --target-path DIR" in capsys.readouterr().err
