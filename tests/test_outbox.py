@@ -2,9 +2,11 @@
 
 Uses a real `mlflow server` on loopback, stopped and started again by the tests.
 """
+import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,8 +146,14 @@ def test_records_carried_without_the_drafter_weights_upload_all_but_the_model(wo
     root, server, cfg = workspace
     sha = trained(root, cfg, "scratch", 0)
     evaluated(cfg, sha, 2.5)
-    train_entry = pending(root)[0]
+    train_entry, eval_entry = pending(root)
     shutil.rmtree(train_entry / "files" / "model")
+    train_record = json.loads((train_entry / "run.json").read_text())
+    eval_record = json.loads((eval_entry / "run.json").read_text())
+    for key in ("start_time", "end_time"):  # as an older eagle3ops wrote it: the times come from its metrics
+        del eval_record[key]
+    (eval_entry / "run.json").write_text(json.dumps(eval_record))
+    time.sleep(1.1)  # a sync a moment later must not move the runs' times to its own
 
     server.start()
     assert main(["sync", "--tracking-uri", server.uri]) == 0
@@ -160,3 +168,11 @@ def test_records_carried_without_the_drafter_weights_upload_all_but_the_model(wo
     assert all(r.info.status == "FINISHED" for r in runs)
     assert {r.data.tags["eagle3ops.dvc_stage"]: r.data.metrics.get("tau") for r in runs}["eval@scratch"] == 2.5
     assert not client.search_logged_models([experiment])
+    by_stage = {r.data.tags["eagle3ops.dvc_stage"]: r.info for r in runs}
+    assert (by_stage["train@scratch"].start_time, by_stage["train@scratch"].end_time) == (
+        train_record["start_time"], train_record["end_time"])
+    wall = next(value for key, value, _, _ in eval_record["metrics"] if key == "time/stage_wall_s")
+    last = max(stamp for _, _, stamp, _ in eval_record["metrics"])
+    assert (by_stage["eval@scratch"].start_time, by_stage["eval@scratch"].end_time) == (int(last - wall * 1000), last)
+    parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"]).info
+    assert parent.start_time == train_record["start_time"] and parent.end_time == last  # its first and last stage

@@ -84,8 +84,19 @@ class Outbox:
         self._save()
 
     def finish(self, status: str) -> None:
-        self.record["status"] = status
+        self.record["status"], self.record["end_time"] = status, int(time.time() * 1000)
         self._save()
+
+
+def _times(record: dict) -> tuple[int | None, int | None]:
+    """The stage run's start and end (ms since the epoch). Records written before they were kept: the end is the
+    last metric's time, the start that less the stage's wall time."""
+    if "start_time" in record:
+        return record["start_time"], record.get("end_time")
+    stamps = [stamp for _, _, stamp, _ in record["metrics"]]
+    walls = [value for key, value, _, _ in record["metrics"] if key == "time/stage_wall_s"]
+    end = max(stamps) if stamps else None
+    return (int(end - walls[-1] * 1000) if end and walls else None), end
 
 
 def pending(root: Path) -> list[Path]:
@@ -104,11 +115,11 @@ def sync(uri: str, root: Path) -> list[str]:
         if record["status"] == "RUNNING":
             continue  # its stage is still going (or was killed: it will be re-run anyway)
         experiment_id = find_or_create_experiment(client, record["experiment"], None)
-        run_id = record.get("run_id")
+        run_id, (start_time, end_time) = record.get("run_id"), _times(record)
         if run_id is None:  # the server was down from the start: create what the stage could not
             parent_id = find_or_create_parent_run(client, experiment_id, record["pipeline_key"], record["parent_name"],
-                                       record["parent_tags"])
-            run = client.create_run(experiment_id, run_name=record["run_name"],
+                                                  record["parent_tags"], start_time)
+            run = client.create_run(experiment_id, start_time=start_time, run_name=record["run_name"],
                                     tags={**record["tags"], "mlflow.parentRunId": parent_id})
             run_id, record["parent_id"] = run.info.run_id, parent_id
             params = [Param(k, v) for k, v in record["params"].items()]
@@ -148,7 +159,10 @@ def sync(uri: str, root: Path) -> list[str]:
             if version is None:
                 print(f"eagle3ops sync: {entry.name}: no logged model has the weights its eval measured (sha256 "
                       f"{wanted['sha256'][:12]}); its drafter is not registered", file=sys.stderr)
-        client.set_terminated(run_id, record["status"])
+        client.set_terminated(run_id, record["status"], end_time)
+        parent = client.get_run(record["parent_id"]).info
+        if end_time and (parent.end_time or 0) < end_time:  # the pipeline run ends with its last stage
+            client.set_terminated(record["parent_id"], parent.status, end_time)
         shutil.rmtree(entry)
         done.append(run_id)
     return done

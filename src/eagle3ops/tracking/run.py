@@ -282,7 +282,8 @@ def stage_run(
                  if not covered(key, NOT_LINEAGE)},
               **{key: _param_text(str(value)) for key, value in (extra_params or {}).items()}}
     record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
-              "run_name": f"{dvc_stage} · {name}", "tags": tags, "params": params}
+              "run_name": f"{dvc_stage} · {name}", "tags": tags, "params": params,
+              "start_time": int(time.time() * 1000)}  # synced later, the run keeps its own times
 
     handle = StageRun(None, None, start, None, None, root, record)
     hardware_logged = False

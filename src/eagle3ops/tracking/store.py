@@ -91,9 +91,10 @@ def find_or_create_experiment(client: MlflowClient, name: str, artifact_location
     return experiment.experiment_id
 
 
-def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str]) -> str:
+def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str],
+                              start_time: int | None = None) -> str:
     """The pipeline's parent run (a one-off run's, when `tags` give the role one_off), created FINISHED on first
-    use."""
+    use, at `start_time` (ms; a stage recorded elsewhere and synced later) or now."""
     role = tags.get(ROLE_TAG, "pipeline")
     found = client.search_runs(
         [experiment_id],
@@ -106,8 +107,8 @@ def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str
         for tag, value in tags.items():
             client.set_tag(run_id, tag, value)
         return run_id
-    run = client.create_run(experiment_id, run_name=name, tags={ROLE_TAG: role, **tags})
-    client.set_terminated(run.info.run_id, "FINISHED")
+    run = client.create_run(experiment_id, start_time=start_time, run_name=name, tags={ROLE_TAG: role, **tags})
+    client.set_terminated(run.info.run_id, "FINISHED", start_time)
     return run.info.run_id
 
 
