@@ -309,6 +309,7 @@ def test_cli_prints_table_and_writes_report(store: Store, monkeypatch: pytest.Mo
     assert "big (4 GPU) s" in out and "Pilot: 1,000 samples; work ratio x10" in out
     assert "Projection vs measured run hero-on-big" in out
     assert (store.root / "projection.md").read_text() == out
+    assert (store.root / "projection.png").read_bytes().startswith(b"\x89PNG")  # the check, drawn
 
 
 def test_cli_unknown_label_is_a_clear_error(store: Store, capsys) -> None:

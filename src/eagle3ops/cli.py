@@ -147,7 +147,8 @@ def parser() -> argparse.ArgumentParser:
                          help="target profile: a shipped name or a YAML path (repeatable)")
     project.add_argument("--measured", metavar="RUN_ID", help="a real run on target hardware: print projected vs measured")
     _store_options(project)
-    project.add_argument("--out", metavar="FILE.md", help="also write the report to this file")
+    project.add_argument("--out", metavar="FILE.md", help="also write the report to this file (and, with --measured, "
+                                                          "the check as a plot beside it, FILE.png)")
     bench = commands.add_parser(
         "bench", help="extraction and training speed vs the machine's limits and a naive baseline (GPU or CPU)",
         description="Build a target and a drafter of the chosen size with random weights, measure the machine's "
@@ -284,13 +285,16 @@ def _compare(args) -> int:  # reads MLflow only; pandas and matplotlib load only
 def _project(args) -> int:
     from mlflow import MlflowClient
 
-    from eagle3ops.runs.projection import project_runs, render
+    from eagle3ops.runs.projection import plot_check, project_runs, render
 
-    text = render(project_runs(MlflowClient(_store_uri(args)), args.run, args.samples, args.to, args.from_profile,
-                               args.measured))
+    projection = project_runs(MlflowClient(_store_uri(args)), args.run, args.samples, args.to, args.from_profile,
+                              args.measured)
+    text = render(projection)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
+        if projection.check is not None:
+            plot_check(projection, Path(args.out).with_suffix(".png"))
     return 0
 
 

@@ -184,7 +184,8 @@ class ZooConfig(Section):
     draft_vocab_size: int = 256
     drafter_conversations: int = 800
     # The dtype the targets are stored in (real checkpoints ship bfloat16). They train in float32 on the GPU when
-    # there is one, else on the CPU: bit for bit the same zoo on one kind of machine, as close as float32 allows across kinds.
+    # there is one, else on the CPU: bit for bit the same zoo on one kind of machine, as close as float32 allows
+    # across kinds.
     dtype: DType = DType.float32
     target: TinyLlamaConfig = field(default_factory=TinyLlamaConfig)
     predecessor_training: LMTrainConfig = field(default_factory=LMTrainConfig)

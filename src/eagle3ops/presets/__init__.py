@@ -97,7 +97,8 @@ def apply_preset(name: str, params_path: str | Path, target_path: str | None,
     settings = preset["params"]
     if target_path is not None:
         settings["target"]["path"] = target_path
-        settings["target"]["lineage_dep"] = f"{target_path.rstrip('/')}/config.json"  # docs/your-target.md, "The target in the lineage"
+        # docs/your-target.md, "The target in the lineage"
+        settings["target"]["lineage_dep"] = f"{target_path.rstrip('/')}/config.json"
     if warm_start:
         settings.setdefault("train", CommentedMap())["warm_start"] = warm_start
     yaml = _yaml()

@@ -333,8 +333,8 @@ def _demand(record: PipelineRecord, phase: str, stage: StageRecord, shape: Targe
     emitted = counter("emitted_tokens") if "emitted_tokens" in stage.metrics else steps + counter("accepted_tokens")
     k = _param(record, stage, "eval.k")
     # the target verifies (steps) and decodes the reference (emitted); the one-layer drafter drafts k a step
-    return Demand(2 * counter("target_params") * (steps * (k + 1) + emitted), counter("target_bytes") * (steps + emitted),
-                  layer_passes=(steps + emitted) * layers + steps * k)
+    return Demand(2 * counter("target_params") * (steps * (k + 1) + emitted),
+                  counter("target_bytes") * (steps + emitted), layer_passes=(steps + emitted) * layers + steps * k)
 
 
 def _train_fixed_s(stage: StageRecord) -> float | None:
@@ -604,6 +604,30 @@ def _render_check(check: Check) -> list[str]:
             "", "at its work = projected with the measured run's own counters instead of the pilot's times the "
             "work ratio (eval's verification steps follow the drafter's tau; tokens and decode steps a sample, the "
             "data): where the two ratios differ, the work was mispredicted, not the speed."]
+
+
+def plot_check(projection: Projection, path: str | Path) -> None:
+    """The check as bars: projected, projected at the run's own work, and measured seconds per phase (log scale)."""
+    import matplotlib.pyplot as plt
+
+    check = projection.check
+    assert check is not None, "a projection checked against a measured run (check_against)"
+    names = [row[0] for row in check.rows]
+    series = {"projected": [row[2] for row in check.rows],
+              "at its work": [row[4] if row[4] is not None else float("nan") for row in check.rows],
+              "measured": [row[3] for row in check.rows]}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 4.2))
+    width = 0.8 / len(series)
+    for i, (label, seconds) in enumerate(series.items()):
+        ax.bar([j + (i - 1) * width for j in range(len(names))], seconds, width, label=label, edgecolor="white")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set(yscale="log", ylabel="seconds",
+           title=f"Pilot {projection.run.name} projected to run {check.run.name} ({check.samples:,} samples), "
+                 "and measured")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------------------ runs
