@@ -16,6 +16,8 @@ export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-http://127.0.0.1:5000}
 results=${RESULTS_DIR:-bench/results/gpu-pipeline}
 
 eagle3ops preset zoo-gpu >/dev/null || exit 1
+# A `dvc exp run` stopped midway leaves its files staged; the next one would fail to apply its stash over them.
+git reset -q 2>/dev/null
 dvc exp run -n "$name" "$@" || exit 1
 
 pack=$(mktemp -d)
