@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from eagle3ops.benchmark.report import write_result
@@ -99,7 +100,9 @@ def test_tiny_bench_online_against_offline(tmp_path):
     assert len(offline["losses"]) == len(online["losses"]) == 3 * offline["steps_per_epoch"]
     assert result["loss_max_rel_diff"] < 1e-2
     before = extract["bfloat16"]["seconds"] + extract["bfloat16"]["read_s"]
-    assert result["totals_s"]["bfloat16"]["1"]["offline"] == round(before + offline["steady_epoch_s"], 1)
-    assert result["totals_s"]["bfloat16"]["3"]["online"] == round(3 * online["steady_epoch_s"], 1)
-    assert offline["compile_s"] == round(offline["epoch_s"][0] - offline["steady_epoch_s"], 1)
+    # the report rounds each figure to 0.1 s from the unrounded times: recomputed from rounded ones, it may differ
+    # by a rounding step or two (a first epoch of 0.45 s and a steady one of 0.5 s: compile -0.1 s, not -0.0)
+    assert result["totals_s"]["bfloat16"]["1"]["offline"] == pytest.approx(before + offline["steady_epoch_s"], abs=0.21)
+    assert result["totals_s"]["bfloat16"]["3"]["online"] == pytest.approx(3 * online["steady_epoch_s"], abs=0.21)
+    assert offline["compile_s"] == pytest.approx(offline["epoch_s"][0] - offline["steady_epoch_s"], abs=0.11)
     assert not list((tmp_path / "work").glob("online-features-*"))
