@@ -199,6 +199,7 @@ def test_without_target_config_interconnect_is_left_out_and_said(store: Store) -
     generate = next(row.estimates["big"] for row in projection.rows if row.phase.name == "generate")
     assert generate.seconds == pytest.approx(2 * (0.125 + 0.25) * 10)  # the 0.06 s of all-reduce is gone
     assert "Interconnect" in projection.notes[0] and "Interconnect" in render(projection)
+    assert "floor a decoder-layer pass is not modelled" in projection.notes[1]
 
 
 def test_host_floor_and_compile_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

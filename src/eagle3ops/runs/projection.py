@@ -494,6 +494,9 @@ def project(record: PipelineRecord, samples: int, targets: list[Profile], known:
     if shape is None and any(p.gpu_count > 1 for p in [*targets, *by_stage.values()]):
         notes.append("Interconnect (all-reduce) traffic is not modelled: the target's config.json (layers, hidden "
                      "size) could not be read, so multi-GPU phases count compute, memory and disk only.")
+    if shape is None:
+        notes.append("The host's floor a decoder-layer pass is not modelled: without the target's config.json the "
+                     "layer count is unknown (it bounds small targets and small batches: docs/runs.md).")
     return Projection(record, samples, pilot_count, targets, rows, shape, notes)
 
 
