@@ -237,9 +237,8 @@ class TargetShape:
 
 def read_target_shape(record: PipelineRecord, root: str | Path = ".") -> TargetShape | None:
     """Layers and hidden size of the run's target from `<root>/<target.path>/config.json`; None if unreadable."""
-    stages = [record.stages["extract"]] if "extract" in record.stages else []
-    target = next((s.params["target.path"] for s in [*stages, *record.stages.values()] if "target.path" in s.params),
-                  None)
+    stages = sorted(record.stages.values(), key=lambda stage: stage.dvc_stage != "extract")  # extract's first
+    target = next((stage.params["target.path"] for stage in stages if "target.path" in stage.params), None)
     if not target:
         return None
     path = Path(root) / target / "config.json"

@@ -57,15 +57,15 @@ def _git_state_without_git(root: Path) -> tuple[str, bool]:
         status = porcelain.status(repo, untracked_files="all")
     except (NotGitRepository, KeyError, OSError):
         return "nogit", False
-    base, outputs = Path(repo.path).resolve(), lock_outputs(root / "dvc.lock")
-    changed = [Path(os.fsdecode(path)) for path in [*(p for paths in status.staged.values() for p in paths),
-                                                     *status.unstaged, *status.untracked]]
+    top, here = Path(repo.path).resolve(), root.resolve()
+    outputs = [here / out for out in lock_outputs(root / "dvc.lock")]
 
-    def counts(path: Path) -> bool:
-        relative = (base / path).relative_to(root.resolve()) if (base / path).is_relative_to(root.resolve()) else None
-        return (relative is not None and path.name not in ("dvc.lock", ".gitignore")
-                and not any(relative == Path(out) or Path(out) in relative.parents for out in outputs))
-    return commit, any(counts(path) for path in changed)
+    def counts(path: bytes) -> bool:  # what `git status -- . :(exclude)...` above would list
+        file = top / os.fsdecode(path)
+        return (file.is_relative_to(here) and file.name not in ("dvc.lock", ".gitignore")
+                and not any(file.is_relative_to(out) for out in outputs))
+    changed = [*(path for paths in status.staged.values() for path in paths), *status.unstaged, *status.untracked]
+    return commit, any(map(counts, changed))
 
 
 INTERPOLATED = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*\}")  # ${train.out_dir}, ${item.init}, ${key}
