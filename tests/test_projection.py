@@ -249,6 +249,18 @@ def test_host_floor_and_compile_phase(tmp_path: Path, monkeypatch: pytest.Monkey
     assert (big["train@scratch compile"].seconds, own["train@scratch compile"].seconds) == (40.0, 5.0)
     assert big["train@scratch compile"].dominant == "fixed"
     assert big["train@warm_start compile"].seconds == 8.0  # the second finds the graphs in the cache
+    # checked against a run on big with twice the decode steps a conversation: "at its work" projects those
+    # 800 steps (compute 2e6 * 4000 = 8e9 FLOP: 2e-5 s; HBM 2e6 * 800 = 1.6e9 B: 4e-4 s; host 8,000 passes: 2 s),
+    # 2 / 2.2e-4 * 4.2e-4 + 2 = 5.818 s; the plain projection stays at the pilot's work times 4: 3 s
+    record_pipeline(monkeypatch, "small-model-on-big", "hostbig", {
+        "prepare": ("prepare", None, {"conversations": 400}),
+        "generate": ("generate", "hf", {"time/generate_s": 6.0, "new_tokens": 4000, "decode_steps": 800, **small})})
+    (measured,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
+                                     "attributes.run_name = 'small-model-on-big'")
+    check = check_against(projection, fetch_pipeline(client, measured.info.run_id), [host_pilot, host_big])
+    (row,) = check.rows
+    assert row[:2] == ("generate", host_big) and row[2:4] == pytest.approx((3.0, 6.0))
+    assert row[4] == pytest.approx(2 / 2.2e-4 * 4.2e-4 + 2)
     # a phase measured below its host floor scales the floor down: 0.5 s measured against 1 s of host time
     fast = next(row.phase for row in projection.rows if row.phase.name == "generate")
     fast = dataclasses.replace(fast, measured_s=0.5)

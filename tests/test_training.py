@@ -131,6 +131,7 @@ def test_a_run_reports_the_padded_share_of_its_rows():
     result, _ = train_drafter(Recipe(draft, samples, [], torch.randn(24, 16), optim, 0, torch.device("cpu")))
     rows = sum(len(batch) for epoch in schedule(samples, 16, 2, 0, 2) for batch in epoch)
     assert result.tokens == 2 * 43 and result.padding_share == pytest.approx(1 - 86 / (rows * 16))
+    assert 0 < result.first_step_s < result.wall_s  # the first step alone, part of the loop's time
 
 
 @pytest.mark.parametrize("variant", [{"optimizer": "muon"}, {"optimizer": "muon", "muon_lr": 0.05},
