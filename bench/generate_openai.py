@@ -1,13 +1,14 @@
 """Throughput of `generate.backend: openai` against concurrency: completion tokens/s and conversations/s.
 
     python bench/generate_openai.py --url http://gpu-box:8000/v1 --conversations-file data/my_chats.jsonl
-    python bench/generate_openai.py            # serves a tiny random target with `transformers serve` itself
+    python bench/generate_openai.py            # serves a tiny random target on vLLM itself (generate.backend vllm)
 
 Each concurrency level regenerates the same conversations from scratch (its own resume log, so nothing is
 skipped) through `regenerate_openai`, the code the stage runs. Prints a table and writes the JSON to
 bench/results/generate_openai-<time>.json. Without --url, the target is the zoo's shape (random weights, the
 zoo's tokenizer and chat template) served with continuous batching, and the conversations the zoo's prompts: an
-untrained model rarely stops, so nearly every turn runs to --max-tokens and the levels compare like for like.
+untrained model rarely stops, so nearly every turn runs to --max-tokens and the levels compare like for like;
+it is served on vLLM as the generate stage's backend vllm serves it (params.yaml's `vllm` defaults).
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from eagle3ops.config import OpenAIEndpointConfig, TinyLlamaConfig
+from eagle3ops.config import OpenAIEndpointConfig, TinyLlamaConfig, VllmConfig
 from eagle3ops.data.conversations import load_conversations, normalise
+from eagle3ops.formats.validate import serving_dtype
 from eagle3ops.fs import write_json_atomic
-from eagle3ops.generation.local_server import local_transformers_server
 from eagle3ops.generation.openai import regenerate_openai
+from eagle3ops.serving.vllm import installed_version, vllm_server
 from eagle3ops.tracking import hardware
 from eagle3ops.zoo import corpus
 
@@ -54,9 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model name on that server (default: the one it lists)")
     parser.add_argument("--api-key-env", help="NAME of the environment variable holding the key")
     parser.add_argument("--model-dir", help="without --url: the model directory to serve (default: a tiny one)")
-    parser.add_argument("--serve-arg", action="append", metavar="ARG",
-                        help="without --url: an argument for `transformers serve` (repeatable; default: "
-                             "--continuous-batching, without which it runs one request at a time)")
+    parser.add_argument("--serve-arg", action="append", metavar="ARG", default=[],
+                        help="without --url: an argument for the vLLM server (repeatable)")
     parser.add_argument("--conversations-file", help="JSONL conversations (default: the zoo's prompts)")
     parser.add_argument("--conversations", type=int, default=32, help="how many (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -78,13 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             server, served = nullcontext(args.url), args.url
         else:
             model_dir = Path(args.model_dir) if args.model_dir else tiny_target(scratch / "target", args.seed)
-            serve_args = tuple(args.serve_arg or ["--continuous-batching"])
-            served = f"transformers serve {' '.join(serve_args)} {model_dir}"
-            tiny = {"OMP_NUM_THREADS": "1"}  # a tiny model runs fastest on one thread, leaving a core to the client
-            server = local_transformers_server(model_dir, serve_args, log_path=scratch / "serve.log",
-                                               env=None if args.model_dir else tiny)
+            served = f"vLLM {installed_version()} {' '.join(args.serve_arg)} {model_dir}"
+            server = vllm_server(model_dir, serving_dtype(model_dir), VllmConfig(extra_args=args.serve_arg),
+                                 "bench-generate", args.seed)
         rows = []
         with server as url:
+            url = url if args.url else f"{url}/v1"
             settings = OpenAIEndpointConfig(base_url=url, model=args.model, api_key_env=args.api_key_env,
                                             max_retries=2, timeout_s=600.0)
             regenerate_openai(conversations[:1], settings, args.max_tokens, args.temperature, args.seed,

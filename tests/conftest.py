@@ -103,7 +103,8 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> Path:
-    """A random 4-layer Llama (hidden 32, 2 heads) with the tiny tokenizer, saved as a Hugging Face directory."""
+    """A random 4-layer Llama (hidden 32, one head of 32: a head size vLLM's CPU kernels serve) with the tiny
+    tokenizer, saved as a Hugging Face directory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,8 +114,8 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) ->
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
         max_position_embeddings=512,
         bos_token_id=tiny_tokenizer.bos_token_id,
         eos_token_id=tiny_tokenizer.eos_token_id,
@@ -124,6 +125,16 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) ->
     LlamaForCausalLM(config).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def vllm_tiny_target(tiny_target_dir) -> Iterator[str]:
+    """A real vLLM server (the CPU build, as the stages start it) serving the tiny target; its base URL."""
+    from eagle3ops.config import VllmConfig
+    from eagle3ops.serving.vllm import vllm_server
+
+    with vllm_server(tiny_target_dir, "float32", VllmConfig(), f"tests-{os.getpid()}") as url:
+        yield url
 
 
 # The micro pipeline: the project's dvc.yaml on params small enough for the whole lineage to run in a few minutes

@@ -28,7 +28,7 @@ import yaml
 from moto.server import ThreadedMotoServer
 
 from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run
-from eagle3ops.generation.local_server import free_port
+from eagle3ops.serving.server import free_port
 
 pytestmark = pytest.mark.e2e
 

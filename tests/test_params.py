@@ -76,7 +76,7 @@ def test_a_stage_reads_only_what_it_declares():
                                                        rf"dvc.yaml does not declare"):
             read()
     assert set(view.stage_params()) == {key for key in Config().stage_params()
-                                         if key.split(".")[0] in ("seed", "train", "hardware", "mlflow", "threads")
+                                         if key.split(".")[0] in ("seed", "train", "vllm", "hardware", "mlflow", "threads")
                                          or key in ("target.id", "extract.out_dir", *NOT_LINEAGE)}
 
 

@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
-from eagle3ops.generation.local_server import free_port
+from eagle3ops.serving.server import free_port
 from eagle3ops.runs.records import find_pipelines
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",

@@ -17,4 +17,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_first_command_sets_up_and_runs_the_pipeline():
     first = commands()[0]
-    assert "pip install -q torch==2.13.0" in first and "dvc repro" in first
+    assert first.startswith("bash setup.sh && . .venv/bin/activate && ") and "dvc repro" in first
+    setup = (ROOT / "setup.sh").read_text()  # the CPU torch first, then vLLM's CPU build, then nothing that breaks it
+    assert setup.index("pip install -q torch==2.13.0") < setup.index('pip install -q -e ".[$engine')
+    assert "pip uninstall -q -y torchvision torchaudio torchcodec" in setup

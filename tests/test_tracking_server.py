@@ -28,7 +28,7 @@ import yaml
 from conftest import commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.cli import main, parser
 from eagle3ops.config import Config
-from eagle3ops.generation.local_server import free_port
+from eagle3ops.serving.server import free_port
 from eagle3ops.tracking.outbox import pending
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.server import server_command

@@ -228,12 +228,19 @@ def parser() -> argparse.ArgumentParser:
         description="Re-read an export and check what SGLang / vLLM read against the target's config: "
                     "architectures, vocab_size, draft_vocab_size = lm_head rows = len(d2t), t2d over the target "
                     "vocabulary marking exactly the d2t targets in ascending order, layer ids in range and in the "
-                    "layout's convention, hidden sizes, max_position_embeddings, rope settings, dtypes. Exit 1 "
-                    "when it is invalid.")
+                    "layout's convention, hidden sizes, max_position_embeddings against the serving length, rope "
+                    "settings, dtypes, and the head sizes vLLM serves on this machine. With --serve, the "
+                    "speculators export is then served once on vLLM as the printed command serves it, and its "
+                    "spec-decode counters must move. Exit 1 when it is invalid.")
     validate.add_argument("directory", metavar="DIR", help="the export directory")
     validate.add_argument("--target", required=True, metavar="TARGET_DIR", help="the target model directory")
     validate.add_argument("--format", choices=list(ExportFormat), help="the layout it must have (default: as found)")
     validate.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    validate.add_argument("--params", default="params.yaml", help="where the `vllm` settings come from "
+                                                                  "(default: %(default)s; the defaults without it)")
+    validate.add_argument("--serve", action="store_true",
+                          help="serve a speculators export on vLLM (started here, params.yaml's `vllm` settings), "
+                               "send a few prompts and check that it drafted")
     from eagle3ops.tracking.server import DESCRIPTION, add_arguments
 
     add_arguments(commands.add_parser(
@@ -250,8 +257,13 @@ def _store_uri(args) -> str:
 
     if args.tracking_uri:
         return args.tracking_uri
+    return tracking_uri(_params_or_defaults(args))
+
+
+def _params_or_defaults(args) -> Config:
+    """--params (with --set overrides) where the file exists, else the schema's defaults."""
     params = Path(getattr(args, "params", "params.yaml"))
-    return tracking_uri(load_config(params) if params.is_file() else Config())
+    return load_config(params, getattr(args, "overrides", None)) if params.is_file() else Config()
 
 
 def _sync(args) -> int:
@@ -406,8 +418,7 @@ def _registered_drafter(args, into: str) -> str:
 
     from eagle3ops.tracking.store import tracking_uri
 
-    cfg = load_config(args.params, args.overrides) if Path(args.params).is_file() else Config()
-    mlflow.set_tracking_uri(tracking_uri(cfg))  # models:/ resolves through the global registry URI
+    mlflow.set_tracking_uri(tracking_uri(_params_or_defaults(args)))  # models:/ resolves through the global registry URI
     try:
         return mlflow.artifacts.download_artifacts(artifact_uri=args.source, dst_path=into)
     except MlflowException as err:
@@ -417,12 +428,23 @@ def _registered_drafter(args, into: str) -> str:
 def _validate_export(args) -> int:
     import json
 
-    from eagle3ops.formats.validate import validate_export
+    from eagle3ops.formats.validate import serving_dtype, validate_export
 
-    report = validate_export(args.directory, args.format, args.target)
+    settings = _params_or_defaults(args).vllm
+    report = validate_export(args.directory, args.format, args.target, vllm=settings)
     print(report.render())
+    served = None
+    if args.serve and report.ok:
+        if report.fmt != "speculators":
+            raise InputError(f"{args.directory}: --serve serves a speculators export (`vllm serve DIR`); this is "
+                             f"the {report.fmt} layout")
+        from eagle3ops.decoding.served import serve_export
+
+        served = serve_export(args.directory, serving_dtype(args.target), settings, log_name="validate-export")
+        print(f"served on vLLM: {served['served_drafts']} draft steps, tau {served['served_tau']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps({**report.to_dict(), **(served or {})}, indent=2) + "\n",
+                                   encoding="utf-8")
     return 0 if report.ok else 1
 
 

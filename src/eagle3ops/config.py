@@ -46,7 +46,7 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 
 DType = choices("DType", "float32", "bfloat16", "float16")
 FeatureDType = choices("FeatureDType", "float32", "bfloat16", "float16", "float8_e4m3")  # data/hidden_states.py
-GenerateBackend = choices("GenerateBackend", "hf", "openai", "none")
+GenerateBackend = choices("GenerateBackend", "hf", "vllm", "openai", "none")
 ExtractBackend = choices("ExtractBackend", "hf", "import")
 ImportFormat = choices("ImportFormat", "speculators", "specforge")
 TrainInit = choices("TrainInit", "scratch", "warm_start")
@@ -56,6 +56,7 @@ TTTPositions = choices("TTTPositions", "fixed", "raised")
 Optimizer = choices("Optimizer", "adamw", "muon")
 EvalDrafter = choices("EvalDrafter", "baseline", "scratch", "warm_start")
 EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
+EvalEngine = choices("EvalEngine", "vllm")
 PromptSetFormat = choices("PromptSetFormat", "chat", "prompt", "mtbench", "gsm8k", "humaneval", "math500")
 DraftSampleMethod = choices("DraftSampleMethod", *DRAFT_SAMPLE_METHODS)
 ExportFormat = choices("ExportFormat", "sglang", "speculators")
@@ -64,7 +65,7 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretr
 
 # Where and how the stages run, not what they compute: no stage declares these, and changing one re-runs nothing
 # (`dvc repro --force` or `dvc exp run --force` measures the same pipeline on other hardware).
-NOT_LINEAGE = ("threads", "target.device", "target.device_map", "target.max_memory", "hardware", "mlflow")
+NOT_LINEAGE = ("threads", "target.device", "target.device_map", "target.max_memory", "vllm", "hardware", "mlflow")
 
 
 class Section:
@@ -101,8 +102,9 @@ class TinyLlamaConfig(Section):
     """Shape of a zoo target (a Llama-architecture causal LM)."""
     hidden_size: int = 64
     num_hidden_layers: int = 8
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
+    # head size 32: the smallest vLLM's CPU attention has a kernel for (formats/engine_limits.py)
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 2
     intermediate_size: int = 192
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
@@ -269,8 +271,9 @@ class OpenAIEndpointConfig(Section):
 
 @dataclass
 class GenerateConfig(Section):
-    # hf: the target rewrites the answers here; openai: a server does (generate.openai); none: keep the dataset's
-    # own answers ("raw prefill")
+    # hf: the target rewrites the answers here; vllm: a vLLM server the stage starts does (params.yaml `vllm`;
+    # generate.openai's concurrency, retries, timeout and extra_body); openai: a running server does
+    # (generate.openai); none: keep the dataset's own answers ("raw prefill")
     backend: GenerateBackend = GenerateBackend.hf
     out: str = "data/generated/conversations.jsonl"
     batch_size: int = 32
@@ -384,10 +387,16 @@ class EvalConfig(Section):
     # named prompt sets (docs/your-target.md, "Benchmark sets"); tau is reported per set and overall
     sets: list[PromptSetConfig] = field(default_factory=_zoo_prompt_sets)
     sets_dir: str = "data/zoo/bench"  # what dvc.yaml tracks for eval: every set's file must be inside it
-    # hf: decode here with the target; vllm | sglang: measure on a running server launched with the drafter
+    # hf: decode here with the target; vllm | sglang: measure on a server only: the one at server_url, launched with
+    # the drafter, or (vllm, server_url null) one the stage starts (params.yaml `vllm`)
     backend: EvalBackend = EvalBackend.hf
     server_url: Optional[str] = None  # the engine's base URL, e.g. http://127.0.0.1:8000
-    concurrency: int = 8  # engine backends: requests in flight at once
+    # backend hf: the engine that measures each drafter as well, on a server the stage starts, beside the target
+    # alone (served tokens/s with and without the drafter); null = the project's decoder only
+    engine: Optional[EvalEngine] = EvalEngine.vllm
+    # greedy: the stage fails when the engine's tau or an a_i differs from the decoder's by more (decoding/served.py)
+    engine_tolerance: float = 0.02
+    concurrency: int = 8  # engine backends and eval.engine: requests in flight at once
     temperature: float = 0.0  # 0 = greedy (checked token for token against the target); sampled keeps its distribution
     # hf backend (decoding/settings.py says more): the target's nucleus; tree branching and tokens per
     # verification, root included (SGLang's --speculative-eagle-topk, --speculative-num-draft-tokens; null =
@@ -405,9 +414,12 @@ class EvalConfig(Section):
             yield err.key, err.reason
         if self.batch_size < 1:
             yield "batch_size", "must be at least 1"
-        if self.backend != EvalBackend.hf and not (self.server_url or "").startswith(("http://", "https://")):
-            yield "server_url", (f"backend {self.backend} measures on a running server: give its base URL "
-                                 f"(http://host:port), got {self.server_url!r}")
+        if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
+            yield "server_url", f"{self.server_url!r} is not an http(s) base URL (http://host:port)"
+        if self.backend == EvalBackend.sglang and self.server_url is None:
+            yield "server_url", "backend sglang measures on a running server: give its base URL (http://host:port)"
+        if self.engine_tolerance < 0:
+            yield "engine_tolerance", "must be at least 0"
         if self.concurrency < 1:
             yield "concurrency", "must be at least 1"
         if self.max_prompts is not None and self.max_prompts < 1:
@@ -445,6 +457,8 @@ class ExportConfig(Section):
     out_dir: str = "models/export"  # one subdirectory per format, and SERVING.md with the launch commands
     # sglang: SGLang's --speculative-draft-model-path; speculators: `vllm serve DIR`
     formats: list[ExportFormat] = field(default_factory=lambda: [ExportFormat.sglang, ExportFormat.speculators])
+    # serve the speculators export once on vLLM as SERVING.md prints it; the stage fails unless vLLM drafts with it
+    serve: bool = True
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from _outputs_inside_project(self, "out_dir")
@@ -459,6 +473,31 @@ class PipelineConfig(Section):
     hidden states."""
     extract: list[str] = field(default_factory=lambda: ["offline"])  # online: []
     hidden_states_dep: str = "data/features"  # extract.out_dir; online: prepare.out_dir
+
+
+@dataclass
+class VllmConfig(Section):
+    """How the vLLM servers the stages start run (serving/vllm.py): where no server URL is given, eval, generate
+    (backend vllm) and export start one with the target in its own dtype, on a free loopback port."""
+    enforce_eager: Optional[bool] = None  # null: eager on a CPU (compiling costs ~90 s a start), compiled on a GPU
+    kv_cache_gib: Optional[float] = None  # CPU: VLLM_CPU_KVCACHE_SPACE; null = a tenth of free memory, 1-8 GiB
+    gpu_memory_utilization: float = 0.9  # GPU: vLLM's share of each GPU's memory
+    tensor_parallel_size: int = 1  # GPU: GPUs the target is split over
+    max_model_len: Optional[int] = None  # null = the target's max_position_embeddings
+    ready_timeout_s: float = 900.0  # a server not answering /health by then stops the stage (its log named)
+    extra_args: list[str] = field(default_factory=list)  # appended to the command line, e.g. [--max-num-seqs, "64"]
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            yield "kv_cache_gib", "must be positive (or null: sized for the machine)"
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            yield "gpu_memory_utilization", "must be in (0, 1]"
+        if self.tensor_parallel_size < 1:
+            yield "tensor_parallel_size", "must be at least 1"
+        if self.max_model_len is not None and self.max_model_len < 1:
+            yield "max_model_len", "must be positive (or null: the target's)"
+        if self.ready_timeout_s <= 0:
+            yield "ready_timeout_s", "must be positive"
 
 
 @dataclass
@@ -489,6 +528,7 @@ class Config(Section):
     report: ReportConfig = field(default_factory=ReportConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 

@@ -4,7 +4,9 @@ The server runs the target with the drafter under test (launch commands: `eagle3
 serve nothing else while the eval runs: vLLM's counters are server-wide. The prompt sets run one after another,
 each with `concurrency` requests in flight.
 
-vLLM: prompts go to /v1/chat/completions (rendered with the server's chat template). Acceptance comes from the
+vLLM: prompts go to /v1/completions as token ids, rendered here with the target's chat template as the hf backend
+  renders them (the server's own template, or a different BOS handling, cannot change what is measured), after
+  one warm-up request; the generated ids come back too (`return_token_ids`). Acceptance comes from the
   spec-decode counters of its Prometheus /metrics, read before and after each set: vllm:spec_decode_num_drafts,
   vllm:spec_decode_num_accepted_tokens and vllm:spec_decode_num_accepted_tokens_per_pos (label position = 0..k-1),
   exposed with the counter suffix `_total` and labelled model_name and engine (summed over engines).
@@ -24,7 +26,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eagle3ops.decoding.speculative import AcceptanceStats
 from eagle3ops.errors import InputError
@@ -53,6 +55,7 @@ class SetMeasurement:
     completion_tokens: int
     seconds: float
     per_position: bool  # False: the server reported totals only (SGLang without its acceptance histogram)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # vLLM: each prompt's generated token ids
 
 
 # ---- Prometheus text exposition format -------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def _in_parallel(prompts: list[dict], send: Callable[[dict], object], concurrenc
 
 # ---- engines ---------------------------------------------------------------------------------------------------
 
-def _settled_counters(metrics_url: str) -> SpecCounters:
+def settled_counters(metrics_url: str) -> SpecCounters:
     current = vllm_counters(_fetch(metrics_url).decode("utf-8", "replace"), metrics_url)
     for _ in range(SETTLE_READS):
         time.sleep(SETTLE_INTERVAL_S)
@@ -175,39 +178,75 @@ def _settled_counters(metrics_url: str) -> SpecCounters:
                       f"another client is using the server")
 
 
-def _served_model(url: str) -> str:
+def served_model(url: str) -> str:
     models = _fetch_json(f"{url}/v1/models").get("data")
     if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise EngineError(f"{url}/v1/models: no served model listed")
     return models[0]["id"]
 
 
+def complete(url: str, model: str, prompt_id: str, prompt: list[int] | str, max_new_tokens: int,
+             temperature: float) -> tuple[int, list[int]]:
+    """One /v1/completions request on the prompt's token ids (or text); (completion tokens, the generated ids)."""
+    completions_url = f"{url}/v1/completions"
+    answer = _fetch_json(completions_url, {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
+                                           "temperature": temperature, "return_token_ids": True})
+    tokens = (answer.get("usage") or {}).get("completion_tokens")
+    if not isinstance(tokens, int):
+        raise EngineError(f"{completions_url}: no usage.completion_tokens in the answer to {prompt_id}")
+    generated = ((answer.get("choices") or [{}])[0]).get("token_ids")
+    return tokens, generated if isinstance(generated, list) else []
+
+
+def _warm_up(url: str, model: str, sets: dict[str, list[dict]], encode: Callable[[list[dict]], list[int]]) -> None:
+    """One short request before anything is timed or counted: the engine's first request pays for its warm-up."""
+    first = next(prompt for prompts in sets.values() for prompt in prompts)
+    complete(url, model, first["id"], encode(first["messages"]), 8, 0.0)
+
+
+def _send_set(url: str, model: str, prompts: list[dict], encode: Callable[[list[dict]], list[int]],
+              max_new_tokens: int, temperature: float, concurrency: int, bar) -> SetMeasurement:
+    """The set's prompts, `concurrency` in flight, timed; acceptance left to the caller."""
+    encoded = {prompt["id"]: encode(prompt["messages"]) for prompt in prompts}
+
+    def send(prompt: dict) -> tuple[str, int, list[int]]:
+        return prompt["id"], *complete(url, model, prompt["id"], encoded[prompt["id"]], max_new_tokens, temperature)
+
+    start = time.perf_counter()
+    answers = _in_parallel(prompts, send, concurrency, bar)
+    seconds = time.perf_counter() - start
+    return SetMeasurement(AcceptanceStats(1), sum(tokens for _, tokens, _ in answers), seconds, per_position=True,
+                          outputs={prompt_id: generated for prompt_id, _, generated in answers})
+
+
 def _measure_vllm(url: str, sets: dict[str, list[dict]], k: int, max_new_tokens: int, temperature: float,
-                  concurrency: int, bar) -> dict[str, SetMeasurement]:
-    model, metrics_url = _served_model(url), f"{url}/metrics"
-
-    def send(prompt: dict) -> int:
-        chat_url = f"{url}/v1/chat/completions"
-        answer = _fetch_json(chat_url, {"model": model, "messages": prompt["messages"], "max_tokens": max_new_tokens,
-                                        "temperature": temperature})
-        tokens = (answer.get("usage") or {}).get("completion_tokens")
-        if not isinstance(tokens, int):
-            raise EngineError(f"{chat_url}: no usage.completion_tokens in the answer to {prompt['id']}")
-        return tokens
-
-    results, before = {}, _settled_counters(metrics_url)
+                  concurrency: int, bar, encode: Callable[[list[dict]], list[int]]) -> dict[str, SetMeasurement]:
+    model, metrics_url = served_model(url), f"{url}/metrics"
+    _warm_up(url, model, sets, encode)
+    before = settled_counters(metrics_url)
     if len(before.accepted_per_pos) != k:
         raise EngineError(f"{metrics_url}: the server drafts {len(before.accepted_per_pos)} tokens per step but "
                           f"eval.k is {k}: set eval.k to its num_speculative_tokens")
+    results = {}
     for name, prompts in sets.items():
-        start = time.perf_counter()
-        tokens = sum(_in_parallel(prompts, send, concurrency, bar))
-        seconds = time.perf_counter() - start
-        after = _settled_counters(metrics_url)
+        measured = _send_set(url, model, prompts, encode, max_new_tokens, temperature, concurrency, bar)
+        after = settled_counters(metrics_url)
         delta = after - before
-        stats = AcceptanceStats(k, steps=delta.drafts, accepted=delta.accepted, accepted_at=list(delta.accepted_per_pos))
-        results[name], before = SetMeasurement(stats, tokens, seconds, per_position=True), after
+        measured.stats = AcceptanceStats(k, steps=delta.drafts, accepted=delta.accepted,
+                                         accepted_at=list(delta.accepted_per_pos))
+        results[name], before = measured, after
     return results
+
+
+def measure_plain(url: str, sets: dict[str, list[dict]], max_new_tokens: int, temperature: float, concurrency: int,
+                  desc: str, encode: Callable[[list[dict]], list[int]]) -> dict[str, SetMeasurement]:
+    """The same requests on a vLLM server without a drafter: what the drafter's speed-up is measured against."""
+    url = url.rstrip("/")
+    with progress(sum(len(prompts) for prompts in sets.values()), desc, "prompt") as bar:
+        model = served_model(url)
+        _warm_up(url, model, sets, encode)
+        return {name: _send_set(url, model, prompts, encode, max_new_tokens, temperature, concurrency, bar)
+                for name, prompts in sets.items()}
 
 
 def _measure_sglang(url: str, sets: dict[str, list[dict]], k: int, max_new_tokens: int, temperature: float,
@@ -244,12 +283,11 @@ def _measure_sglang(url: str, sets: dict[str, list[dict]], k: int, max_new_token
 
 
 def measure(backend: str, url: str, sets: dict[str, list[dict]], k: int, max_new_tokens: int, temperature: float,
-            concurrency: int, desc: str, encode: Callable[[list[dict]], list[int]] | None = None
-            ) -> dict[str, SetMeasurement]:
-    """Acceptance per prompt set on the server at `url` (vllm | sglang; sglang needs `encode`: messages -> the
-    prompt's token ids)."""
+            concurrency: int, desc: str, encode: Callable[[list[dict]], list[int]]) -> dict[str, SetMeasurement]:
+    """Acceptance per prompt set on the server at `url` (vllm | sglang); `encode`: messages -> the prompt's token
+    ids, as the hf backend renders them."""
     url = url.rstrip("/")
     with progress(sum(len(prompts) for prompts in sets.values()), desc, "prompt") as bar:
         if backend == "vllm":
-            return _measure_vllm(url, sets, k, max_new_tokens, temperature, concurrency, bar)
+            return _measure_vllm(url, sets, k, max_new_tokens, temperature, concurrency, bar, encode)
         return _measure_sglang(url, sets, k, max_new_tokens, temperature, concurrency, bar, encode)

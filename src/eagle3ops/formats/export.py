@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from eagle3ops.config import DType, ExportFormat
+from eagle3ops.config import DType, ExportFormat, VllmConfig
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_drafter, read_json
 from eagle3ops.formats.conventions import CONVENTIONS, from_hf
@@ -35,7 +35,7 @@ from eagle3ops.modeling.target import check_model_dir, default_aux_layers
 
 def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, target_dir: str | Path,
                    speculative_tokens: int = 3, dtype: str | None = None,
-                   served_as: str | Path | None = None) -> ExportReport:
+                   served_as: str | Path | None = None, vllm: VllmConfig | None = None) -> ExportReport:
     """Write the drafter in `drafter_dir` to `out_dir` in layout `fmt` for the target in `target_dir`; returns the
     validation report (warnings, notes, launch commands). `dtype`: cast the weights (None: keep them).
     `served_as`: the path the launch commands name, when `out_dir` is moved there afterwards."""
@@ -62,13 +62,16 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
         if fmt == "sglang":
             write_checkpoint(cfg, tensors, out, checkpoint.rope_scaling)
         else:
+            if cfg.draft_vocab_size == cfg.vocab_size:
+                tensors = _without_identity_map(tensors, drafter_dir)
             architectures = read_json(check_model_dir(target_dir) / "config.json").get("architectures") or []
+            # the verifier by its absolute path: `vllm serve EXPORT` loads it from any directory
             config = to_speculators_config(cfg, dtype_name(tensors["fc.weight"].dtype), checkpoint.rope_scaling,
-                                           str(target_dir), architectures, speculative_tokens)
+                                           str(Path(target_dir).resolve()), architectures, speculative_tokens)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             save_file(to_speculators_names(tensors), str(out / WEIGHTS), metadata={"format": "pt"})
         write_json_atomic(out / EXPORT_RECORD, record)
-        report = validate_export(out, fmt, target_dir, served_as=served_as or out_dir)
+        report = validate_export(out, fmt, target_dir, served_as=served_as or out_dir, vllm=vllm)
         if not report.ok:
             raise CheckpointError(f"{drafter_dir}: its {fmt} export for {target_dir} would not serve correctly; "
                                   f"nothing written:\n  " + "\n  ".join(report.errors))
@@ -76,10 +79,23 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
     return report
 
 
+def _without_identity_map(tensors: dict, drafter_dir: str | Path) -> dict:
+    """A drafter over the whole target vocabulary, for vLLM: without d2t/t2d, which vLLM 0.32 has no parameter
+    for then (it refuses to load them). Only the identity map can go: vLLM reads lm_head row i as target id i."""
+    if tensors["d2t"].any():
+        raise CheckpointError(f"{drafter_dir}: its draft vocabulary is the whole target vocabulary in another order; "
+                              f"vLLM keeps no vocabulary map for such a drafter and would read lm_head row i as "
+                              f"target id i; nothing written")
+    return {name: t for name, t in tensors.items() if name not in ("d2t", "t2d")}
+
+
 def _changes(source: DraftConfig, cfg: DraftConfig, convention: str) -> list[str]:
     notes = [f"layer ids {from_hf(cfg.aux_layers, convention)} written in {CONVENTIONS[convention]} (HF indices "
              f"{cfg.aux_layers}" + (")" if source.aux_layers else ": the drafter's config named none, so the "
                                     "engines' default for this target)")]
+    if convention == "vllm" and cfg.draft_vocab_size == cfg.vocab_size:
+        notes.append("d2t/t2d left out: the draft vocabulary is the whole target vocabulary (the identity map), "
+                     "and vLLM refuses a vocabulary map then")
     if cfg.max_position_embeddings != source.max_position_embeddings:
         notes.append(f"max_position_embeddings raised from {source.max_position_embeddings} to the target's "
                      f"{cfg.max_position_embeddings}")
@@ -90,8 +106,9 @@ def serving_guide(reports: dict[str, ExportReport], drafter_dir: str | Path, tar
     """SERVING.md: per exported layout, the commands that serve it and what the validation said."""
     lines = ["# Serving the exported drafter", "",
              f"Drafter `{drafter_dir}`, exported for the target `{target_dir}` and validated against it "
-             f"(`eagle3ops validate-export DIR --target {target_dir}` checks it again). Relative paths are relative "
-             f"to the repository root: run the commands from there.", ""]
+             f"(`eagle3ops validate-export DIR --target {target_dir} --serve` checks it again and serves it once). "
+             f"The commands name absolute paths and the Python of the environment that exported it: they run as "
+             f"they are from any directory of this machine, serving on 127.0.0.1:8000.", ""]
     for fmt, report in reports.items():
         lines += [f"## {fmt}: `{report.directory}`", "", "```bash", *report.commands, "```", ""]
         lines += [f"- warning: {w}" for w in report.warnings] + [f"- {n}" for n in report.notes] + [""]

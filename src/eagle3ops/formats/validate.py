@@ -24,8 +24,10 @@ from eagle3ops.formats.checkpoint import (
     read_raw,
 )
 from eagle3ops.formats.conventions import CONVENTIONS, rope_settings, to_hf
+from eagle3ops.config import VllmConfig
 from eagle3ops.formats.specforge import CheckpointError
 from eagle3ops.modeling.target import TargetError, check_model_dir, default_aux_layers, text_config
+from eagle3ops.serving.vllm import VLLM_CPU_HEAD_SIZES, on_gpu, printed_command
 
 EXPORT_RECORD = "eagle3ops_export.json"
 LAYOUT_CONVENTION = {"sglang": "sglang", "speculators": "vllm"}  # how each export layout writes layer ids
@@ -72,20 +74,22 @@ def target_config(target_dir: str | Path) -> dict:
 
 
 def validate_export(out_dir: str | Path, fmt: str | None, target_dir: str | Path,
-                    served_as: str | Path | None = None) -> ExportReport:
-    """Check the export in `out_dir` (layout `fmt`, or the one it holds when None) against the target.
+                    served_as: str | Path | None = None, vllm: VllmConfig | None = None) -> ExportReport:
+    """Check the export in `out_dir` (layout `fmt`, or the one it holds when None) against the target, and
+    against what vLLM can serve on this machine with the settings `vllm` (params.yaml's; None = the defaults).
     `served_as`: where the export will be served from, when it is checked before it is moved there; the report
     (commands and messages) names that path."""
     report = ExportReport(str(served_as or out_dir), fmt, str(target_dir))
     out_dir = Path(out_dir)
-    _validate(report, out_dir, fmt, target_dir)
+    _validate(report, out_dir, fmt, target_dir, vllm or VllmConfig())
     if served_as is not None:
         for messages in (report.errors, report.warnings, report.notes):
             messages[:] = [message.replace(str(out_dir), str(served_as)) for message in messages]
     return report
 
 
-def _validate(report: ExportReport, out_dir: Path, fmt: str | None, target_dir: str | Path) -> None:
+def _validate(report: ExportReport, out_dir: Path, fmt: str | None, target_dir: str | Path,
+              vllm: VllmConfig) -> None:
     target = target_config(target_dir)
     try:
         raw = read_raw(out_dir)
@@ -106,9 +110,11 @@ def _validate(report: ExportReport, out_dir: Path, fmt: str | None, target_dir: 
         return
     report.notes += [f"reading it: {note}" for note in checkpoint.notes]
     _check_against_target(report, checkpoint, target)
+    check_engine_limits(report.errors, report.warnings, checkpoint.cfg, target, vllm, where=raw.config_path,
+                        head_sizes=raw.layout == "speculators")
     trained = _check_layers(report, raw, checkpoint, target)
     if report.ok:
-        _commands(report, raw, trained, default_aux_layers(target["num_hidden_layers"]), target_dir)
+        _commands(report, raw, trained, default_aux_layers(target["num_hidden_layers"]), target_dir, vllm)
 
 
 def _check_config(report: ExportReport, raw: RawCheckpoint, target_dir: str | Path) -> None:
@@ -180,6 +186,13 @@ def _check_speculators_config(report: ExportReport, spec, where: Path, target_di
 def _check_stored_tensors(report: ExportReport, raw: RawCheckpoint) -> None:
     """What the servers read as stored: the vocabulary map itself (never derived) and the dtypes."""
     where, tensors = raw.weights_path, raw.tensors
+    layer = raw.config.get("transformer_layer_config") or {}
+    if raw.layout == "speculators" and raw.config.get("draft_vocab_size") == layer.get("vocab_size"):
+        if "d2t" in tensors:  # vLLM 0.32 creates no d2t parameter then, and fails to load one
+            report.errors.append(f"{where}: d2t stored, but the draft vocabulary is the whole target vocabulary: "
+                                 f"vLLM then has no parameter for it and refuses to load the drafter; leave d2t and "
+                                 f"t2d out (`eagle3ops export` does)")
+        return
     for name, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
         if name not in tensors:
             report.errors.append(f"{where}: no {name}; the engines map draft ids to target ids with d2t, training "
@@ -208,11 +221,6 @@ def _check_against_target(report: ExportReport, checkpoint: DrafterCheckpoint, t
         if size != hidden:
             report.errors.append(f"{where}: {name} {size}, the target's hidden size is {hidden} (the drafter reads "
                                  f"its embedding and fuses 3 of its hidden states)")
-    positions = target.get("max_position_embeddings")
-    if positions and cfg.max_position_embeddings < positions:
-        report.errors.append(f"{where}: max_position_embeddings {cfg.max_position_embeddings} < the target's "
-                             f"{positions}: the engines size the drafter's rotary cache and context limit by it, and "
-                             f"acceptance collapses past it")
     theta, scaling = rope_settings(target)
     if cfg.rope_theta != theta:
         report.warnings.append(f"{where}: rope_theta {cfg.rope_theta}, the target's is {theta}: the drafter's own "
@@ -220,6 +228,28 @@ def _check_against_target(report: ExportReport, checkpoint: DrafterCheckpoint, t
     if checkpoint.rope_scaling != scaling:
         report.warnings.append(f"{where}: rope scaling {checkpoint.rope_scaling}, the target's is {scaling}: the "
                                f"engines apply the drafter's own, as it was trained")
+
+
+def check_engine_limits(errors: list[str], warnings: list[str], draft, target: dict, vllm: VllmConfig,
+                        where: str | Path, head_sizes: bool = True) -> None:
+    """What the engines cannot serve as configured here. Errors: a drafter whose max_position_embeddings is below
+    the serving length (vLLM then stops drafting past it, silently: acceptance falls to about zero). Warnings, with
+    `head_sizes` (the export may be served on other hardware): a head size vLLM's CPU attention has no kernel for,
+    on a machine without a GPU (the server starts, and its first request kills the engine)."""
+    serving_length = vllm.max_model_len or target.get("max_position_embeddings")
+    if serving_length and draft.max_position_embeddings < serving_length:
+        errors.append(f"{where}: max_position_embeddings {draft.max_position_embeddings} is below the serving length "
+                      f"{serving_length} (" + ("vllm.max_model_len" if vllm.max_model_len else "the target's") +
+                      "): vLLM stops drafting past it and acceptance falls to about zero")
+    if not head_sizes or on_gpu():
+        return
+    heads = target.get("num_attention_heads") or 1
+    sizes = {"the target": target.get("head_dim") or target["hidden_size"] // heads, "the drafter": draft.head_dim}
+    for who, size in sizes.items():
+        if size not in VLLM_CPU_HEAD_SIZES:
+            warnings.append(f"{where}: {who}'s head size is {size}: vLLM cannot serve it on this machine (no GPU; "
+                            f"its CPU attention has kernels for head sizes {list(VLLM_CPU_HEAD_SIZES)}); serve it "
+                            f"on a GPU")
 
 
 def _check_layers(report: ExportReport, raw: RawCheckpoint, checkpoint: DrafterCheckpoint,
@@ -256,7 +286,7 @@ def _written_ids(raw: RawCheckpoint) -> list[int]:
 
 
 def _commands(report: ExportReport, raw: RawCheckpoint, trained: list[int], default: list[int],
-              target_dir: str | Path) -> None:
+              target_dir: str | Path, vllm: VllmConfig) -> None:
     """The launch commands of the engines that load this layout and would feed the drafter its trained layers."""
     written = _written_ids(raw)
     methods = (raw.config.get("speculators_config") or {}).get("proposal_methods") or [{}]
@@ -264,7 +294,7 @@ def _commands(report: ExportReport, raw: RawCheckpoint, trained: list[int], defa
     for engine in ENGINES[raw.layout]:
         fed = to_hf(written, engine) if written else default
         if fed == trained:
-            report.commands += launch_commands(engine, report.directory, target_dir, steps, raw.layout)
+            report.commands += launch_commands(engine, report.directory, target_dir, steps, raw.layout, vllm)
         else:
             report.notes.append(f"not for {engine}: it would read these ids as HF indices {fed} "
                                 f"({CONVENTIONS[engine]}), not the trained {trained}; for {engine}, serve the "
@@ -272,14 +302,22 @@ def _commands(report: ExportReport, raw: RawCheckpoint, trained: list[int], defa
 
 
 def launch_commands(engine: str, directory: str | Path, target_dir: str | Path, steps: int = 3,
-                    layout: str = "sglang") -> list[str]:
-    """Chain drafting of `steps` tokens, top-1: SGLang's draft tokens are the steps plus the bonus token."""
-    drafter, target = shlex.quote(str(directory)), shlex.quote(str(target_dir))
+                    layout: str = "sglang", vllm: VllmConfig | None = None) -> list[str]:
+    """Chain drafting of `steps` tokens, top-1: SGLang's draft tokens are the steps plus the bonus token. Absolute
+    paths, so that each runs from any directory; vLLM's in the target's own dtype, with this machine's settings
+    (serving/vllm.py), the second serving the speculators directory alone (vLLM reads the target from its
+    verifier)."""
+    drafter, target = Path(directory).resolve(), Path(target_dir).resolve()
     if engine == "sglang":
-        return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {drafter} --speculative-num-steps {steps} "
+        return [f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} --speculative-algorithm "
+                f"EAGLE3 --speculative-draft-model-path {shlex.quote(str(drafter))} --speculative-num-steps {steps} "
                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"]
-    spec = json.dumps({"method": "eagle3", "model": str(directory), "num_speculative_tokens": steps},
-                      separators=(",", ":"))
-    commands = [f"vllm serve {target} --speculative-config {shlex.quote(spec)}"]
-    return commands + [f"vllm serve {drafter}"] if layout == "speculators" else commands
+    vllm, dtype = vllm or VllmConfig(), serving_dtype(target_dir)
+    commands = [printed_command(target, dtype, vllm, drafter=drafter, k=steps)]
+    return commands + [printed_command(drafter, dtype, vllm)] if layout == "speculators" else commands
+
+
+def serving_dtype(target_dir: str | Path) -> str:
+    """The dtype the target's config.json declares (vLLM's `auto` would serve a float32 model in bf16)."""
+    config = text_config(target_dir)
+    return str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")

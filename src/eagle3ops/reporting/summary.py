@@ -31,11 +31,31 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
         train = metrics.get(f"train-{drafter}", {})
         interval = (f"{m['tau_ci_low']:.2f}-{m['tau_ci_high']:.2f}" if "tau_ci_low" in m else "not measured")
         rows.append({"drafter": drafter, "tau": m["tau"], "tau 95% CI": interval,
+                     **({"tau on vLLM": m["vllm"]["tau"]} if "vllm" in m else {}),
                      **{f"a{i}": m[f"accept_{i}"] for i in range(1, draft_positions(m) + 1)},
                      "lossless": ("yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)")
                      if "lossless" in m else "not checked",  # sampled, or measured on an engine: no reference
                      "vocab coverage": m.get("draft_vocab_coverage"),
                      "ttt acc_0 (held-out)": train.get("eval/acc_0")})
+    return pd.DataFrame(rows)
+
+
+def served_table(metrics: dict[str, dict]) -> pd.DataFrame:
+    """Per drafter measured on vLLM (eval.engine): its acceptance from vLLM's counters beside the decoder's, whether
+    its greedy output is the target's, and the served speed with and without it on this hardware."""
+    rows = []
+    for drafter in EvalDrafter:
+        m = metrics.get(f"eval-{drafter}", {})
+        served = m.get("vllm")
+        if served is None:
+            continue
+        equal = served.get("greedy_equal_prompts")
+        rows.append({"drafter": drafter, "tau decoder": m["tau"], "tau vLLM": served["tau"],
+                     **{f"a{i} vLLM": served[f"accept_{i}"] for i in range(1, draft_positions(served) + 1)},
+                     "output = target's": f"{equal}/{m['prompts']}" if equal is not None else "not checked",
+                     "tok/s": served["tokens_per_s"], "tok/s target alone": served.get("target_alone_tokens_per_s"),
+                     "speed-up": served.get("speedup"),
+                     "hardware": f"{served['hardware']}, {served['concurrency']} in flight"})
     return pd.DataFrame(rows)
 
 
@@ -77,19 +97,27 @@ def plot_tau_by_set(metrics: dict[str, dict], path: Path) -> None:
 
 def headline(metrics: dict[str, dict]) -> dict:
     """The pipeline run in a few numbers, for `metrics.json` (what `dvc exp show` puts first): tau per drafter,
-    the simulator's last tau per trained drafter, each stage's wall time and their sum."""
+    tau and the served speed-up measured on vLLM, the simulator's last tau per trained drafter, each stage's wall
+    time and their sum."""
     times = {stage: metrics[stage]["time"]["stage_s"] for stage in STAGES if stage in metrics}
-    return {"tau": {drafter: metrics[f"eval-{drafter}"]["tau"] for drafter in EvalDrafter if f"eval-{drafter}" in metrics},
+    evals = {drafter: metrics[f"eval-{drafter}"] for drafter in EvalDrafter if f"eval-{drafter}" in metrics}
+    served = {drafter: m["vllm"] for drafter, m in evals.items() if "vllm" in m}
+    return {"tau": {drafter: m["tau"] for drafter, m in evals.items()},
+            **({"tau_vllm": {drafter: m["tau"] for drafter, m in served.items()},
+                "speedup_vllm": {drafter: m["speedup"] for drafter, m in served.items() if "speedup" in m}}
+               if served else {}),
             "sim_tau": {init: metrics[f"train-{init}"]["sim/tau"] for init in TrainInit
                         if "sim/tau" in metrics.get(f"train-{init}", {})},
             "time_s": {**times, "total": round(sum(times.values()), 3)}}
 
 
 def pipeline_metrics(metrics: dict[str, dict]) -> dict[str, float]:
-    """The MLflow metrics of the pipeline run itself (its parent run): the headline, and per drafter tau on each
-    benchmark set, acceptance by draft position and losslessness (1 or 0; left out where it was not checked)."""
+    """The MLflow metrics of the pipeline run itself (its parent run): the headline (tau per drafter from the
+    decoder and, where measured, from vLLM, with vLLM's speed-up), and per drafter tau on each benchmark set, acceptance by draft position and losslessness (1 or 0; left out where it was not checked)."""
     top = headline(metrics)
     flat = {f"tau/{drafter}": tau for drafter, tau in top["tau"].items()}
+    flat.update({f"tau_vllm/{drafter}": tau for drafter, tau in top.get("tau_vllm", {}).items()})
+    flat.update({f"speedup_vllm/{drafter}": ratio for drafter, ratio in top.get("speedup_vllm", {}).items()})
     flat.update({f"sim_tau/{init}": tau for init, tau in top["sim_tau"].items()})
     flat.update({f"time/{stage}_s": seconds for stage, seconds in top["time_s"].items()})
     for drafter in top["tau"]:
@@ -168,6 +196,18 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
     return f"`mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000{page}"
 
 
+def _served_section(metrics: dict[str, dict]) -> list[str]:
+    served = served_table(metrics)
+    if served.empty:
+        return []
+    return ["## Served on vLLM", "", markdown_table(served, ".3f"), "",
+            "tau vLLM and a_i from vLLM's own spec-decode counters, the drafter served with the target as the export "
+            "serves it; output = target's: prompts whose greedy output is token for token the target's own; tok/s: "
+            "generated tokens per second over all prompts with the drafter and, on a server of its own, the target "
+            "alone; speed-up = their ratio, on this hardware (a CPU gains little: the draft step costs about as "
+            "much as the verification it saves).", ""]
+
+
 def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
@@ -179,6 +219,7 @@ def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | N
              "tokens inside the drafter's vocabulary (a warm start keeps its own unless it is re-headed).", "",
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
              "![tau by set](tau_by_set.png)", "",
+             *_served_section(metrics),
              "## Stage timings", "", markdown_table(timings, ".1f"), "",
              f"MLflow runs: {mlflow_ui_hint(tracking_uri, experiment_id)}", ""]
     return "\n".join(lines)

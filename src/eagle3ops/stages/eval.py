@@ -1,5 +1,6 @@
 """Stage `eval@<drafter>`: speculative decoding on the benchmark prompt sets; acceptance length per set and
-overall, and losslessness. eval.backend hf decodes here; vllm | sglang measure on a server (decoding/engines.py)."""
+overall, and losslessness. eval.backend hf decodes here and, with eval.engine vllm, measures the drafter on vLLM
+too, side by side (decoding/served.py); vllm | sglang measure on a server only (decoding/engines.py)."""
 import hashlib
 import time
 from collections import defaultdict
@@ -12,11 +13,13 @@ from eagle3ops.config import Config
 from eagle3ops.data.benchmarks import load_sets
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import measure
+from eagle3ops.decoding.served import Served, check_agreement, measure_on_vllm, side_by_side
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
 from eagle3ops.progress import progress
+from eagle3ops.tracking import hardware
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.registry import Measurement, weights_sha256
@@ -61,7 +64,7 @@ def run(cfg: Config, drafter: str) -> None:
         eos = {tokenizer.eos_token_id}
         settings, batch_size = SpecSettings.from_config(cfg.eval), cfg.eval.batch_size
         overall, per_set = AcceptanceStats(cfg.eval.k), defaultdict(lambda: AcceptanceStats(cfg.eval.k))
-        per_prompt = []
+        per_prompt, target_outputs = [], {}
         mismatched, spec_s, plain_s, spec_tokens, plain_tokens, in_vocab = [], 0.0, 0.0, 0, 0, 0
         with tracked.phase("decode"), progress(len(prompts), f"eval@{drafter}", "prompt") as bar:
             for first in range(0, len(prompts), batch_size):
@@ -76,6 +79,7 @@ def run(cfg: Config, drafter: str) -> None:
                                              settings.top_p, seed)
                 plain_s += time.perf_counter() - start
                 for prompt, generation, reference in zip(chunk, generations, references):
+                    target_outputs[prompt["id"]] = reference
                     spec_tokens, plain_tokens = spec_tokens + len(generation.tokens), plain_tokens + len(reference)
                     in_vocab += int(draft.t2d[torch.tensor(reference)].sum())
                     if settings.greedy and generation.tokens != reference:  # sampled runs differ by design
@@ -88,11 +92,25 @@ def run(cfg: Config, drafter: str) -> None:
             tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
         fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()},
                                    per_prompt, cfg.seed)
+        size = model_size(target)
+        if cfg.eval.engine:
+            del target, draft  # vLLM loads the target again, in its own process: leave it the device's memory
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            with tracked.phase("serve"):
+                served = measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets,
+                                         partial(prompt_ids, tokenizer), cfg.eval.k, cfg.eval.max_new_tokens,
+                                         settings.temperature, cfg.eval.concurrency, cfg.seed, drafter)
+            fields["vllm"] = _served_fields(cfg, served, target_outputs if settings.greedy else None)
+            if settings.greedy:
+                check_agreement(side_by_side(overall, served.overall(cfg.eval.k), per_set,
+                                             {name: m.stats for name, m in served.with_drafter.items()}),
+                                cfg.eval.engine_tolerance, drafter)
         _register(cfg, tracked, drafter, path, fields, identity,
                   ("no" if mismatched else "yes") if settings.greedy else "not checked")
         _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
-            **model_size(target), "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
+            "backend": "hf", **size, "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
             **({"lossless": not mismatched, "mismatched_prompts": len(mismatched)} if settings.greedy else {}),
             "draft_vocab_coverage": round(in_vocab / max(1, plain_tokens), 4),  # target tokens it can draft at all
@@ -102,17 +120,23 @@ def run(cfg: Config, drafter: str) -> None:
 
 def run_on_engine(cfg: Config, drafter: str) -> None:
     """eval.backend vllm | sglang: the same metrics, measured on the server at eval.server_url, which must be
-    serving the target with this drafter. Losslessness is not checked (the target's own output is not at hand)."""
+    serving the target with this drafter, or (vllm without a URL) on a server the stage starts. Losslessness is
+    not checked (the target's own output is not at hand)."""
     path, ev, identity = drafter_path(cfg, drafter), cfg.eval, identity_params(cfg.target)
     with stage_run(cfg, "eval", variant=drafter, inputs=[path, cfg.target.path, *(s.path for s in ev.sets)],
                    extra_params=identity) as tracked:
         with tracked.phase("load"):
             sets = load_sets(ev.sets, ev.max_prompts)
-            # SGLang is sent token ids, rendered with the target's chat template as the hf backend renders them
-            encode = partial(prompt_ids, load_tokenizer(cfg.target)) if ev.backend == "sglang" else None
+            # the engines are sent token ids, rendered with the target's chat template as the hf backend renders them
+            encode = partial(prompt_ids, load_tokenizer(cfg.target))
         with tracked.phase("decode"):
-            measured = measure(ev.backend, ev.server_url, sets, ev.k, ev.max_new_tokens, ev.temperature,
-                               ev.concurrency, f"eval@{drafter}", encode)
+            if ev.server_url:
+                measured = measure(ev.backend, ev.server_url, sets, ev.k, ev.max_new_tokens, ev.temperature,
+                                   ev.concurrency, f"eval@{drafter}", encode)
+            else:
+                measured = measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets, encode, ev.k,
+                                           ev.max_new_tokens, ev.temperature, ev.concurrency, cfg.seed, drafter,
+                                           target_alone=False).with_drafter
         overall = AcceptanceStats.merged(ev.k, [result.stats for result in measured.values()])
         fields = acceptance_fields(overall, {name: result.stats for name, result in measured.items()},
                                    {name: len(set_prompts) for name, set_prompts in sets.items()})
@@ -123,16 +147,46 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
         _register(cfg, tracked, drafter, path, fields, identity, "not checked")
         _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
-            "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
+            "backend": str(ev.backend), "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
             "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         })
 
 
+def _served_fields(cfg: Config, served: Served, references: dict[str, list[int]] | None) -> dict:
+    """What vLLM measured, in the hf backend's terms, with the served speed with and without the drafter on this
+    hardware; greedy, how many prompts' output is token for token the target's greedy output."""
+    k = cfg.eval.k
+    fields = {"version": served.version,
+              **acceptance_fields(served.overall(k), {name: m.stats for name, m in served.with_drafter.items()},
+                                  {name: len(m.outputs) for name, m in served.with_drafter.items()})}
+    del fields["prompts_by_set"]
+    with_drafter = served.tokens_per_s(served.with_drafter)
+    fields.update(tokens_per_s=round(with_drafter, 1), concurrency=cfg.eval.concurrency,
+                  hardware=hardware.label(hardware.fingerprint(), cfg.hardware.label))
+    if served.target_alone is not None:
+        alone = served.tokens_per_s(served.target_alone)
+        fields.update(target_alone_tokens_per_s=round(alone, 1), speedup=round(with_drafter / alone, 3))
+    if references is not None:
+        outputs = served.outputs()
+        fields["greedy_equal_prompts"] = sum(outputs.get(pid) == ids for pid, ids in references.items())
+    return fields
+
+
+def _flat_metrics(prefix: str, fields: dict) -> dict[str, float]:
+    """The numbers of a metrics block as MLflow metrics `prefix/name` (per set: `prefix/tau/<set>`)."""
+    flat = {f"{prefix}/{name}": value for name, value in fields.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    flat.update({f"{prefix}/tau/{name}": tau for name, tau in fields.get("tau_by_set", {}).items()})
+    return flat
+
+
 def _log_per_set(tracked, fields: dict) -> None:
-    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set), unless
-    registering the drafter logged them with its model already."""
-    tracked.log_metrics({f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()
-                         if f"tau/{name}" not in tracked.logged})
+    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set), and what
+    vLLM measured as `vllm/...`, unless registering the drafter logged them with its model already."""
+    metrics = {f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()}
+    if "vllm" in fields:
+        metrics.update(_flat_metrics("vllm", fields["vllm"]))
+    tracked.log_metrics({key: value for key, value in metrics.items() if key not in tracked.logged})
 
 
 def _register(cfg: Config, tracked, drafter: str, path: Path, fields: dict, identity: dict[str, str],
@@ -156,4 +210,8 @@ def _register(cfg: Config, tracked, drafter: str, path: Path, fields: dict, iden
     paths = {s.name: s.path for s in ev.sets}
     linked = {"tau": (fields["tau"], None, None),
               **{f"tau/{name}": (tau, paths[name], digests[name]) for name, tau in fields["tau_by_set"].items()}}
+    if "vllm" in fields:  # the same drafter measured on vLLM: the version shows both
+        linked.update({"vllm/tau": (fields["vllm"]["tau"], None, None),
+                       **({"vllm/speedup": (fields["vllm"]["speedup"], None, None)} if "speedup" in fields["vllm"]
+                          else {})})
     tracked.register_drafter(cfg.mlflow.registered_model, weights_sha256(path), fields["tau"], linked, measurement)

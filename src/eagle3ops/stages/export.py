@@ -1,10 +1,12 @@
 """Stage `export`: the champion among train's drafters (or the one export.drafter names) written in the layouts
 SGLang and vLLM load, each validated against the target before it is written, with the launch commands in
-SERVING.md."""
+SERVING.md; with export.serve, the speculators export then served once on vLLM as SERVING.md prints it, from
+another directory: the stage fails unless vLLM drafts with it."""
 from pathlib import Path
 
 from eagle3ops.config import Config, TrainInit
 from eagle3ops.errors import InputError
+from eagle3ops.decoding.served import SMOKE_PROMPTS, serve_export
 from eagle3ops.formats.export import export_drafter, serving_guide
 from eagle3ops.fs import atomic_dir
 from eagle3ops.tracking.metrics import read_metrics, record
@@ -31,7 +33,8 @@ def run(cfg: Config) -> None:
     with stage_run(cfg, "export", inputs=[drafter, cfg.target.lineage_dep]) as tracked:
         tracked.set_tags({"eagle3ops.export.drafter": chosen})
         with tracked.phase("export"), atomic_dir(out_dir) as out:
-            reports = {fmt: export_drafter(drafter, out / fmt, fmt, cfg.target.path, served_as=out_dir / fmt)
+            reports = {fmt: export_drafter(drafter, out / fmt, fmt, cfg.target.path, served_as=out_dir / fmt,
+                                           vllm=cfg.vllm)
                        for fmt in cfg.export.formats}
             (out / "SERVING.md").write_text(serving_guide(reports, drafter, cfg.target.path), encoding="utf-8")
         for report in reports.values():
@@ -39,4 +42,10 @@ def run(cfg: Config) -> None:
         tracked.log_artifact(out_dir / "SERVING.md", "export")
         sizes = {f"{fmt}_mb": round(sum(f.stat().st_size for f in (out_dir / fmt).iterdir()) / 2**20, 3)
                  for fmt in reports}
-        record(tracked, "export", {"warnings": sum(len(r.warnings) for r in reports.values()), **sizes})
+        served = {}
+        if cfg.export.serve and "speculators" in reports:
+            with tracked.phase("serve"):
+                served = serve_export(out_dir / "speculators", cfg.target.dtype, cfg.vllm)
+            print(f"export: vLLM served {out_dir / 'speculators'}: {served['served_drafts']} draft steps, "
+                  f"tau {served['served_tau']:.3f} on {len(SMOKE_PROMPTS)} prompts", flush=True)
+        record(tracked, "export", {"warnings": sum(len(r.warnings) for r in reports.values()), **sizes, **served})

@@ -1,11 +1,13 @@
-"""Stage `generate`: regenerate the assistant turns with the target in this process (`hf`), through an
-OpenAI-compatible server that serves it (`openai`), or keep the dataset's own answers (`none`).
+"""Stage `generate`: regenerate the assistant turns with the target in this process (`hf`), through a vLLM server
+the stage starts (`vllm`) or an OpenAI-compatible server that serves it (`openai`), or keep the dataset's own
+answers (`none`).
 
 Resumable, under `.eagle3ops/resume/generate-<key>/` (the key hashes what determines the result):
 - hf: conversations are regenerated in fixed chunks of `generate.chunk_size`, each written whole; a run killed
   midway keeps the finished chunks, and since a chunk's batches never depend on what ran before, the result
   equals an uninterrupted run.
-- openai: each finished conversation is appended to `openai.jsonl` (generation/openai.py) and never sent again.
+- vllm, openai: each finished conversation is appended to `openai.jsonl` (generation/openai.py) and never sent
+  again.
   The key covers the conversations themselves, the generation settings and the target's identity, not the
   server's address or concurrency: a run restarted against another replica, or with fewer requests in flight,
   picks up where the last one stopped.
@@ -13,10 +15,12 @@ Resumable, under `.eagle3ops/resume/generate-<key>/` (the key hashes what determ
 import hashlib
 import json
 import shutil
-from dataclasses import asdict
+from contextlib import ExitStack
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from eagle3ops.config import Config
+from eagle3ops.config import Config, OpenAIEndpointConfig
+from eagle3ops.data.chat import read_chat_template
 from eagle3ops.data.conversations import load_conversations, read_jsonl
 from eagle3ops.fs import write_json_atomic, write_jsonl_atomic
 from eagle3ops.generation.hf import GenerateStats, regenerate
@@ -24,6 +28,7 @@ from eagle3ops.generation.openai import regenerate_openai
 from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.resume import resume_point
+from eagle3ops.serving.vllm import vllm_server
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
@@ -43,13 +48,16 @@ def run(cfg: Config) -> None:
         if backend == "hf":
             work = _work_dir({"params": cfg.stage_digest(), "inputs": tracked.input_md5s})
             conversations = _regenerate_hf(cfg, conversations, tracked, work, metrics)
-        elif backend == "openai":
+        elif backend in ("vllm", "openai"):
             gen = cfg.generate
             work = _work_dir({"backend": backend, "target": identity, "seed": cfg.seed,
                               "conversations": hashlib.sha256(json.dumps(conversations).encode()).hexdigest(),
                               "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
                               "model": gen.openai.model, "extra_body": gen.openai.extra_body})
-            conversations = _regenerate_openai(cfg, conversations, tracked, work, metrics)
+            if backend == "vllm":
+                conversations = _regenerate_vllm(cfg, conversations, tracked, work, metrics)
+            else:
+                conversations = _regenerate_openai(cfg, gen.openai, conversations, tracked, work, metrics)
         write_jsonl_atomic(cfg.generate.out, conversations)
         if work is not None:
             shutil.rmtree(work)
@@ -96,11 +104,23 @@ def _regenerate_hf(cfg: Config, conversations: list[dict], tracked, work: Path, 
     return regenerated
 
 
-def _regenerate_openai(cfg: Config, conversations: list[dict], tracked, work: Path, metrics: dict) -> list[dict]:
+def _regenerate_vllm(cfg: Config, conversations: list[dict], tracked, work: Path, metrics: dict) -> list[dict]:
+    """The openai backend against a vLLM server of the target that this stage starts and stops."""
+    template = read_chat_template(cfg.target.chat_template) if cfg.target.chat_template else None
+    with ExitStack() as server:
+        with tracked.phase("load"):  # the server's start: the engine loading the target
+            url = server.enter_context(vllm_server(cfg.target.path, cfg.target.dtype, cfg.vllm, "generate",
+                                                   cfg.seed, chat_template=template))
+        endpoint = replace(cfg.generate.openai, base_url=f"{url}/v1", model=None)
+        return _regenerate_openai(cfg, endpoint, conversations, tracked, work, metrics)
+
+
+def _regenerate_openai(cfg: Config, endpoint: OpenAIEndpointConfig, conversations: list[dict], tracked, work: Path,
+                       metrics: dict) -> list[dict]:
     gen = cfg.generate
     turns = sum(m["role"] == "assistant" for c in conversations for m in c["messages"])
     with tracked.phase("generate"), progress(turns, "generate", "turn") as bar:
-        records, stats = regenerate_openai(conversations, gen.openai, gen.max_new_tokens, gen.temperature, cfg.seed,
+        records, stats = regenerate_openai(conversations, endpoint, gen.max_new_tokens, gen.temperature, cfg.seed,
                                            work / "openai.jsonl", on_turns=bar.update)
     metrics.update(turns=stats.turns, new_tokens=stats.completion_tokens, prompt_tokens=stats.prompt_tokens,
                    unfinished_turns=stats.unfinished, resumed_conversations=stats.resumed,

@@ -1,0 +1,124 @@
+"""A drafter measured on vLLM servers the eval stage starts itself, beside the project's own decoder.
+
+The drafter is exported to the speculators layout first (vLLM's layer-id convention; the same export the
+export stage writes), then served with the target exactly as users serve it: acceptance from vLLM's own
+counters, each prompt's generated ids, and tokens/s. A second server, the target alone, answers the same
+requests: the speed-up the drafter buys on this hardware.
+
+Agreement. In greedy decoding both sides verify with the same target, so each prompt's output is the target's
+greedy output and the drafts accepted are the same, up to float rounding between the two implementations: in
+float32, a rounding difference (about 1e-6 of a logit) changes a choice only at a near-tie, which moves tau by
+one step in a thousand, not by the hundredths that a format or convention bug costs (a layer fed off by one, a
+misread d2t, the wrong residual: each takes tau down by 0.3 or more on the zoo). `eval.engine_tolerance`
+(default 0.02 on tau and on each a_i) sits between the two; in bf16 the gap is wider and the tolerance with it.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3ops.config import VllmConfig
+from eagle3ops.decoding.engines import (
+    EngineError,
+    SetMeasurement,
+    complete,
+    measure,
+    measure_plain,
+    served_model,
+    settled_counters,
+)
+from eagle3ops.decoding.speculative import AcceptanceStats
+from eagle3ops.formats.export import export_drafter
+from eagle3ops.serving.vllm import installed_version, vllm_server
+
+WORK_DIR = Path(".eagle3ops")
+
+
+class EngineDisagreement(EngineError):
+    """vLLM's acceptance differs from the project's decoder's beyond the tolerance: a format or convention bug."""
+
+
+@dataclass
+class Served:
+    with_drafter: dict[str, SetMeasurement]
+    target_alone: dict[str, SetMeasurement] | None
+    version: str
+
+    def overall(self, k: int) -> AcceptanceStats:
+        return AcceptanceStats.merged(k, [m.stats for m in self.with_drafter.values()])
+
+    @staticmethod
+    def tokens_per_s(measured: dict[str, SetMeasurement]) -> float:
+        seconds = sum(m.seconds for m in measured.values())
+        return sum(m.completion_tokens for m in measured.values()) / max(seconds, 1e-9)
+
+    def outputs(self) -> dict[str, list[int]]:
+        return {pid: ids for m in self.with_drafter.values() for pid, ids in m.outputs.items()}
+
+
+def measure_on_vllm(target_dir: str | Path, drafter_dir: str | Path, dtype: str, settings: VllmConfig,
+                    sets: dict[str, list[dict]], encode: Callable[[list[dict]], list[int]], k: int,
+                    max_new_tokens: int, temperature: float, concurrency: int, seed: int, name: str,
+                    target_alone: bool = True) -> Served:
+    """`drafter_dir` served with the target on vLLM (and, with `target_alone`, the target without it)."""
+    version = installed_version()
+    WORK_DIR.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"vllm-{name}-", dir=WORK_DIR) as work:
+        export = Path(work) / "speculators"
+        export_drafter(drafter_dir, export, "speculators", target_dir, speculative_tokens=k)
+        with vllm_server(target_dir, dtype, settings, f"eval-{name}", seed, drafter=export, k=k) as url:
+            with_drafter = measure("vllm", url, sets, k, max_new_tokens, temperature, concurrency,
+                                   f"eval@{name} on vLLM", encode)
+    alone = None
+    if target_alone:
+        with vllm_server(target_dir, dtype, settings, f"eval-{name}-target-alone", seed) as url:
+            alone = measure_plain(url, sets, max_new_tokens, temperature, concurrency,
+                                  f"eval@{name} on vLLM, target alone", encode)
+    return Served(with_drafter, alone, version)
+
+
+def side_by_side(decoder: AcceptanceStats, engine: AcceptanceStats, decoder_sets: dict[str, AcceptanceStats],
+                 engine_sets: dict[str, AcceptanceStats]) -> list[tuple[str, float, float]]:
+    """(figure, decoder, vLLM) for tau, each a_i, and tau per set."""
+    rows = [("tau", decoder.tau, engine.tau)]
+    rows += [(f"a{i + 1}", d, e) for i, (d, e) in enumerate(zip(decoder.per_position, engine.per_position))]
+    rows += [(f"tau {name}", stats.tau, engine_sets[name].tau) for name, stats in decoder_sets.items()]
+    return rows
+
+
+def check_agreement(rows: list[tuple[str, float, float]], tolerance: float, drafter: str) -> None:
+    """EngineDisagreement, with every figure side by side, when tau or an a_i differs by more than `tolerance`."""
+    overall = [row for row in rows if not row[0].startswith("tau ")]
+    if all(abs(engine - decoder) <= tolerance for _, decoder, engine in overall):
+        return
+    table = "\n".join(f"  {name:<16} {decoder:>8.4f} {engine:>8.4f} {engine - decoder:>+9.4f}"
+                      for name, decoder, engine in rows)
+    raise EngineDisagreement(
+        f"eval@{drafter}: vLLM's acceptance differs from the project's decoder's by more than "
+        f"eval.engine_tolerance = {tolerance} in greedy decoding, where both verify with the same target: the "
+        f"drafter is read differently by the engine (layer ids, d2t, norms, rope) or the decoder counts "
+        f"differently\n  {'figure':<16} {'decoder':>8} {'vLLM':>8} {'vLLM-dec':>9}\n{table}")
+
+
+SMOKE_PROMPTS = ("The capital of France is", "def add(a, b):", "1, 2, 3, 4,")
+
+
+def serve_export(export_dir: str | Path, dtype: str, settings: VllmConfig, log_name: str = "export",
+                 max_new_tokens: int = 32) -> dict:
+    """Serve a speculators export as SERVING.md's second command does (`--model EXPORT`: vLLM reads the target
+    from its verifier), started from another directory, send a few prompts, and check that vLLM drafted with it.
+    Returns its counters; EngineError when it drafted nothing."""
+    export_dir = Path(export_dir).resolve()
+    with tempfile.TemporaryDirectory() as elsewhere, \
+            vllm_server(export_dir, dtype, settings, log_name, cwd=elsewhere) as url:
+        model = served_model(url)
+        tokens = sum(complete(url, model, f"smoke-{i}", prompt, max_new_tokens, 0.0)[0]
+                     for i, prompt in enumerate(SMOKE_PROMPTS))
+        counters = settled_counters(f"{url}/metrics")
+    if counters.drafts == 0:
+        raise EngineError(f"{export_dir}: vLLM served it and generated {tokens} tokens but drafted nothing: the "
+                          f"speculative decoding did not run")
+    return {"served_drafts": counters.drafts, "served_accepted_tokens": counters.accepted,
+            "served_tau": round(1 + counters.accepted / counters.drafts, 4), "served_tokens": tokens}

@@ -1,0 +1,118 @@
+"""A server process the stages start and always stop: a free loopback port, a log kept, a readiness wait with a
+timeout, and no orphan whatever ends the stage.
+
+Stopping: the server runs in a session of its own (SIGTERM to its process group reaches whatever it started,
+such as vLLM's engine-core processes), and is stopped on the way out of the `with` block, on success and on an
+exception alike. While it runs, SIGTERM to the stage is turned into an exception (Python's default would end the
+process without unwinding), and the server is started with PR_SET_PDEATHSIG, so that even a SIGKILLed stage
+takes its server down with it: the kernel sends it SIGTERM when the stage's thread that started it dies.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx2
+
+STOP_GRACE_S = 30.0  # vLLM shuts its engine processes down on SIGTERM; past this they are killed
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+
+
+class ServerError(RuntimeError):
+    """A server we started exited, or was not ready in time; the message names its log."""
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now, for a server we start."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) in the main thread while inside, so `finally` blocks run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        process.wait()
+
+
+@contextmanager
+def managed_server(name: str, argv: list[str], port: int, log_path: str | Path, ready_path: str = "/health",
+                   env: dict[str, str] | None = None, ready_timeout_s: float = 600.0,
+                   cwd: str | Path | None = None) -> Iterator[str]:
+    """Run `argv` (a server listening on 127.0.0.1:`port`) until the block ends; yields http://127.0.0.1:PORT
+    once GET `ready_path` answers 200. Its output goes to `log_path` (kept after it stops); an exit before it is
+    ready, or `ready_timeout_s` without an answer, raises ServerError with the log's last lines."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}"
+    with _sigterm_raises(), open(log_path, "wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+                                  start_new_session=True, preexec_fn=_die_with_parent,
+                                  env={**os.environ, **(env or {})})
+        try:
+            _wait_ready(name, server, f"{url}{ready_path}", log_path, ready_timeout_s)
+            yield url
+        finally:
+            stop_process_group(server)
+
+
+def _wait_ready(name: str, server: subprocess.Popen, health_url: str, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise ServerError(f"{name} exited with code {server.returncode} before it was ready; the end of its "
+                              f"log {log_path}:\n{log_tail(log_path)}")
+        try:
+            if httpx2.get(health_url, timeout=2.0).status_code == 200:
+                return
+        except httpx2.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"{name} not ready after {timeout_s:.0f} s (no answer at {health_url}); the end of its "
+                              f"log {log_path}:\n{log_tail(log_path)}")
+        time.sleep(0.5)

