@@ -174,6 +174,11 @@ def ran_stages(output: str) -> list[str]:
     return re.findall(r"Running stage '([^']+)'", output)
 
 
+# For suites about the lineage's storage and tracking, not the engine (tests/test_dvc_remotes.py,
+# tests/test_tracking_server.py): no vLLM server in eval or export, about 4 minutes less a pipeline run on 2 cores.
+WITHOUT_ENGINE = ["eval.engine=null", "export.serve=false"]
+
+
 def write_params(repo: Path, overrides: list[str]) -> None:
     params = OmegaConf.merge(OmegaConf.load(ROOT / "params.yaml"), OmegaConf.from_dotlist(MICRO + overrides))
     OmegaConf.save(params, repo / "params.yaml")

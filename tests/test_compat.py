@@ -23,10 +23,11 @@ DATA = Counter({token: 100 - token % 50 for token in range(40, 140)})  # loss-ma
 
 
 def make_drafter(path: Path, vocab: int = VOCAB, hidden: int = HIDDEN, layers: list[int] = LAYERS,
-                 tokens: range = range(40, 140), draft_vocab: int = 100, max_positions: int = 512) -> Path:
+                 tokens: range = range(40, 140), draft_vocab: int = 100, max_positions: int = 512,
+                 heads: int = 1) -> Path:
     """A drafter whose draft vocabulary is `tokens` (padded with the lowest other ids), saved at `path`."""
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=heads,
                       vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden, aux_layers=layers,
                       max_position_embeddings=max_positions)
     draft = Eagle3Draft(cfg)
@@ -46,6 +47,13 @@ def test_same_family_drafter_is_compatible(tmp_path, tiny_target_dir):
     assert report.verdict == "compatible"
     assert report.draft_vocab_coverage == 1.0 and report.best_coverage == 1.0
     assert set(levels(report).values()) == {"ok"}
+
+
+def test_a_head_size_vllm_cannot_serve_on_this_cpu_is_a_warning(tmp_path, tiny_target_dir):
+    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", heads=2), LAYERS)
+    assert report.verdict == "compatible" and levels(report)["serving"] == "warning"  # a GPU serves it
+    message = next(f.message for f in report.findings if f.check == "serving")
+    assert message.startswith("the drafter's head size is 16: vLLM cannot serve it on this machine (no GPU")
 
 
 def test_other_vocabulary_size_is_incompatible(tmp_path, tiny_target_dir):

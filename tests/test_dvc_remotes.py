@@ -27,7 +27,7 @@ import pytest
 import yaml
 from moto.server import ThreadedMotoServer
 
-from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run
+from conftest import ROOT, WITHOUT_ENGINE, commit, micro_pipeline_repo, ran_stages, run, write_params
 from eagle3ops.serving.server import free_port
 
 pytestmark = pytest.mark.e2e
@@ -49,6 +49,8 @@ def env(tmp_path_factory) -> dict[str, str | None]:
 def pipeline(tmp_path_factory, env) -> Path:
     """The micro pipeline, run and committed, in <tmp>/repo (its default remote is <tmp>/eagle3ops-dvc-storage)."""
     repo = micro_pipeline_repo(tmp_path_factory.mktemp("team") / "repo")
+    write_params(repo, WITHOUT_ENGINE)
+    commit(repo, "without the engine")
     run(["dvc", "repro"], repo, env)
     commit(repo, "micro pipeline run")
     return repo

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from conftest import isolate, loopback_server
 from eagle3ops.config import ConfigError, OpenAIEndpointConfig, load_config
 from eagle3ops.errors import InputError
-from eagle3ops.serving.server import free_port
 from eagle3ops.generation.openai import EndpointError, EndpointUnavailable, ResumeLog, regenerate_openai, with_reasoning
+from eagle3ops.serving.server import free_port
 
 ORIGINAL = "ORIGINAL ANSWER " * 12  # far longer than any regenerated turn: a prompt carrying it shows
 

@@ -8,19 +8,24 @@ import io
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from urllib.request import Request, urlopen
 
 import pandas as pd
 import pytest
 import yaml
 from mlflow import MlflowClient
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
-from eagle3ops.serving.server import free_port
+from eagle3ops.decoding.engines import vllm_counters
+from eagle3ops.formats.export import export_drafter
 from eagle3ops.runs.records import find_pipelines
+from eagle3ops.serving.server import free_port
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]  # as DVC names them
@@ -63,12 +68,25 @@ def test_repro_builds_every_stage(repo, first_run):
         assert 1.0 <= metrics["tau"] <= 4.0 and sorted(k for k in metrics if k.startswith("accept_")) == [
             "accept_1", "accept_2", "accept_3"]
         assert metrics["verify_steps"] > 0
+        # measured on vLLM too, in greedy float32: the engine's counters give the decoder's figures, and every
+        # prompt's output is the target's
+        served = metrics["vllm"]
+        assert abs(served["tau"] - metrics["tau"]) <= 0.02 and served["version"].startswith("0.32.0")
+        assert all(abs(served[f"accept_{i}"] - metrics[f"accept_{i}"]) <= 0.02 for i in (1, 2, 3))
+        assert served["greedy_equal_prompts"] == metrics["prompts"]
+        assert served["tokens_per_s"] > 0 and served["target_alone_tokens_per_s"] > 0 and served["speedup"] > 0
+        assert served["hardware"].startswith("cpu-") and served["concurrency"] == 8
     checkpoint = repo / "models" / "drafters" / "scratch"
     assert {"config.json", "model.safetensors", "training_state.pt"} <= {p.name for p in checkpoint.iterdir()}
     manifest = json.loads((repo / "data" / "features" / "train" / "manifest.json").read_text())
     assert manifest["aux_layers"] == [2, 4, 5] and manifest["samples"] > 0
     summary = (repo / "reports" / "summary.md").read_text()
     assert "warm_start" in summary and "baseline" in summary and "mlflow ui" in summary
+    assert "## Served on vLLM" in summary and "tok/s target alone" in summary
+    headline = json.loads((repo / "metrics.json").read_text())
+    assert set(headline["tau_vllm"]) == set(headline["speedup_vllm"]) == {"baseline", "scratch", "warm_start"}
+    export = json.loads((repo / "metrics" / "export.json").read_text())
+    assert export["served_drafts"] > 0  # the export stage served its speculators export on vLLM
     assert (repo / "reports" / "comparison.png").stat().st_size > 10_000
 
 
@@ -112,6 +130,9 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
         # the pipeline run itself shows the headline: tau per drafter and per set, losslessness
         assert parent.data.metrics[f"tau/{drafter}"] == recorded["tau"] and parent.data.metrics[f"lossless/{drafter}"] == 1
         assert all(parent.data.metrics[f"tau/{drafter}/{name}"] == tau for name, tau in recorded["tau_by_set"].items())
+        # and tau per drafter per engine, with vLLM's speed-up on this hardware
+        assert parent.data.metrics[f"tau_vllm/{drafter}"] == recorded["vllm"]["tau"]
+        assert parent.data.metrics[f"speedup_vllm/{drafter}"] == recorded["vllm"]["speedup"]
     assert parent.data.params["train.lr"] == "0.003" and parent.data.params["overrides"] == "none"
     assert parent.data.tags["mlflow.note.content"].startswith("# eagle3ops report")
     assert json.loads((repo / "metrics.json").read_text())["tau"]["scratch"] == parent.data.metrics["tau/scratch"]
@@ -137,6 +158,7 @@ def test_trained_drafters_are_logged_models_registered_with_a_champion(repo, fir
         assert linked[("tau", None)] == recorded["tau"]
         assert {key: value for (key, dataset), value in linked.items() if dataset} == {
             f"tau/{name}": tau for name, tau in recorded["tau_by_set"].items()}
+        assert linked[("vllm/tau", None)] == recorded["vllm"]["tau"]  # the version shows both engines' tau
     versions = store.search_model_versions("name = 'eagle3-drafter'")
     assert sorted(v.source for v in versions) == sorted(f"models:/{m.model_id}" for m in models.values())
     assert all("eagle3ops-zoo/successor" in v.description and "k=3" in v.description for v in versions)
@@ -421,6 +443,53 @@ def test_online_training_on_the_zoo_is_the_offline_run(repo, first_run):
     assert experiment.stages["train@scratch"].params["train.hidden_states"] == "online"
     run(["git", "checkout", "--", "."], repo)
     run(["dvc", "checkout"], repo)
+
+
+def test_serving_md_commands_run_as_pasted_into_a_fresh_shell_elsewhere(repo, first_run, tmp_path):
+    """Each vLLM command SERVING.md prints, run by bash from another directory with a bare environment (no venv
+    activated): the server comes up on the printed port, serves the export, and drafts with it."""
+    serving = (repo / "models" / "export" / "SERVING.md").read_text()
+    commands = [line for line in serving.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+    assert len(commands) == 2 and all("--port 8000" in command for command in commands)
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 8000)) == 0:
+            pytest.skip("port 8000, the one SERVING.md prints, is taken on this machine")
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for command in commands:
+        server = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=bare, start_new_session=True,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            wait_for_http("http://127.0.0.1:8000/health", server, timeout_s=300)
+            answer = json.loads(urlopen(Request("http://127.0.0.1:8000/v1/completions", json.dumps(
+                {"prompt": "What is 12 + 7?", "max_tokens": 16, "temperature": 0}).encode(),
+                {"Content-Type": "application/json"}), timeout=120).read())
+            assert answer["usage"]["completion_tokens"] > 0
+            metrics = urlopen("http://127.0.0.1:8000/metrics", timeout=30).read().decode()
+            assert vllm_counters(metrics, "metrics").drafts > 0, command
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+
+
+def test_a_drafter_the_engine_reads_differently_fails_its_eval(repo, first_run, monkeypatch, capsys):
+    """The export vLLM serves, changed after its validation (the drafter's draft ids mapped one target id up):
+    vLLM's acceptance departs from the decoder's, and the eval fails with the figures side by side."""
+    import eagle3ops.decoding.served as served
+    from eagle3ops.cli import main
+
+    def misread(drafter_dir, out_dir, *args, **kwargs):
+        report = export_drafter(drafter_dir, out_dir, *args, **kwargs)
+        weights = load_file(str(Path(out_dir) / "model.safetensors"))
+        weights["d2t"] = weights["d2t"] + 1
+        save_file(weights, str(Path(out_dir) / "model.safetensors"))
+        return report
+
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(served, "export_drafter", misread)
+    assert main(["eval", "--drafter", "scratch", "--set", "eval.engine_tolerance=0"]) != 0
+    err = capsys.readouterr().err
+    assert "eval@scratch: vLLM's acceptance differs from the project's decoder's by more than eval.engine_tolerance" in err
+    assert re.search(r"\n  tau +\d\.\d{4} +\d\.\d{4} +[+-]\d\.\d{4}\n  a1 ", err)
 
 
 def test_a_one_off_run_leaves_the_pipelines_metrics_and_champion_alone(repo, first_run):

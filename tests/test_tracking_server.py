@@ -25,7 +25,7 @@ import pytest
 import requests
 import yaml
 
-from conftest import commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
+from conftest import WITHOUT_ENGINE, commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.cli import main, parser
 from eagle3ops.config import Config
 from eagle3ops.serving.server import free_port
@@ -38,7 +38,7 @@ USER = "alice"
 # Below the micro pipeline: what reaches the server (runs, params, curves, tau, drafters) needs no trained model.
 FEWER_STEPS = ["zoo.predecessor_training.steps=10", "zoo.successor_training.steps=5",
                "zoo.drafter_training.max_steps=4", "train.max_steps=4", "train.log_every=1", "train.simulate.every=0",
-               "generate.max_new_tokens=16", "eval.max_new_tokens=8"]
+               "generate.max_new_tokens=16", "eval.max_new_tokens=8", *WITHOUT_ENGINE]
 
 
 def postgres_bin() -> Path | None:

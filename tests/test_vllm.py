@@ -4,6 +4,7 @@ in tests/test_pipeline_e2e.py; regeneration through vLLM in tests/test_generate_
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -83,20 +84,32 @@ def test_a_stage_stopped_or_killed_leaves_no_engine_behind(sig, tiny_target_dir,
     """SIGTERM unwinds the stage, which stops its server; SIGKILL cannot be caught, and the kernel stops the
     server all the same (PR_SET_PDEATHSIG), which takes its engine process with it."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(tiny_target_dir)], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert holder.stdout.readline().startswith("vllm: starting vLLM")
-    assert holder.stdout.readline().strip() == "ready"
-    started = {p for p in psutil.Process(holder.pid).children(recursive=True)}
-    names = {p.name() for p in started}
-    assert "VLLM::EngineCore" in names and len(started) >= 2  # the API server and its engine process, at least
-    holder.send_signal(sig)
-    holder.wait(timeout=60)
-    deadline = time.monotonic() + 60
-    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    if sig == signal.SIGTERM:
-        assert holder.returncode == 128 + signal.SIGTERM  # unwound, not killed by the signal itself
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().startswith("vllm: starting vLLM")
+        assert holder.stdout.readline().strip() == "ready"
+        started = {p for p in psutil.Process(holder.pid).children(recursive=True)}
+        names = {p.name() for p in started}
+        assert "VLLM::EngineCore" in names and len(started) >= 2  # the API server and its engine process, at least
+        holder.send_signal(sig)
+        holder.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p.pid for p in started if alive(p)]
+        if sig == signal.SIGTERM:
+            assert holder.returncode == 128 + signal.SIGTERM  # unwound, not killed by the signal itself
+    finally:  # whatever failed above, nothing of this test keeps running
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_an_export_serves_on_vllm_and_a_cpu_cannot_serve_a_head_size_of_16(tiny_target_dir, tmp_path, capsys,
@@ -129,6 +142,6 @@ def test_the_managed_server_answers_and_is_gone_after_the_block(tiny_target_dir,
                                                             "temperature": 0}, timeout=60).json()
         assert answer["usage"]["completion_tokens"] == 4
     time.sleep(1)
-    assert started and not [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert started and not [p.pid for p in started if alive(p)]
     with pytest.raises(httpx2.TransportError):
         httpx2.get(f"{url}/health", timeout=2)

@@ -7,13 +7,13 @@ servers ignore it), so a layer id written in the wrong engine's convention is ca
 """
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from eagle3ops.config import VllmConfig
 from eagle3ops.formats import specforge, speculators
 from eagle3ops.formats.checkpoint import (
     LAYOUTS,
@@ -24,7 +24,6 @@ from eagle3ops.formats.checkpoint import (
     read_raw,
 )
 from eagle3ops.formats.conventions import CONVENTIONS, rope_settings, to_hf
-from eagle3ops.config import VllmConfig
 from eagle3ops.formats.specforge import CheckpointError
 from eagle3ops.modeling.target import TargetError, check_model_dir, default_aux_layers, text_config
 from eagle3ops.serving.vllm import VLLM_CPU_HEAD_SIZES, on_gpu, printed_command
@@ -234,22 +233,26 @@ def check_engine_limits(errors: list[str], warnings: list[str], draft, target: d
                         where: str | Path, head_sizes: bool = True) -> None:
     """What the engines cannot serve as configured here. Errors: a drafter whose max_position_embeddings is below
     the serving length (vLLM then stops drafting past it, silently: acceptance falls to about zero). Warnings, with
-    `head_sizes` (the export may be served on other hardware): a head size vLLM's CPU attention has no kernel for,
-    on a machine without a GPU (the server starts, and its first request kills the engine)."""
+    `head_sizes` (the export may be served on other hardware): cpu_head_size_problems."""
     serving_length = vllm.max_model_len or target.get("max_position_embeddings")
     if serving_length and draft.max_position_embeddings < serving_length:
         errors.append(f"{where}: max_position_embeddings {draft.max_position_embeddings} is below the serving length "
                       f"{serving_length} (" + ("vllm.max_model_len" if vllm.max_model_len else "the target's") +
                       "): vLLM stops drafting past it and acceptance falls to about zero")
-    if not head_sizes or on_gpu():
-        return
+    if head_sizes:
+        warnings += [f"{where}: {problem}" for problem in cpu_head_size_problems(draft, target)]
+
+
+def cpu_head_size_problems(draft, target: dict) -> list[str]:
+    """On a machine without a GPU: the head sizes (the target's, the drafter's) that vLLM's CPU attention has no
+    kernel for; the server would start, and its first request kill the engine."""
+    if on_gpu():
+        return []
     heads = target.get("num_attention_heads") or 1
     sizes = {"the target": target.get("head_dim") or target["hidden_size"] // heads, "the drafter": draft.head_dim}
-    for who, size in sizes.items():
-        if size not in VLLM_CPU_HEAD_SIZES:
-            warnings.append(f"{where}: {who}'s head size is {size}: vLLM cannot serve it on this machine (no GPU; "
-                            f"its CPU attention has kernels for head sizes {list(VLLM_CPU_HEAD_SIZES)}); serve it "
-                            f"on a GPU")
+    return [f"{who}'s head size is {size}: vLLM cannot serve it on this machine (no GPU; its CPU attention has "
+            f"kernels for head sizes {list(VLLM_CPU_HEAD_SIZES)}); serve it on a GPU"
+            for who, size in sizes.items() if size not in VLLM_CPU_HEAD_SIZES]
 
 
 def _check_layers(report: ExportReport, raw: RawCheckpoint, checkpoint: DrafterCheckpoint,

@@ -5,8 +5,8 @@ another directory: the stage fails unless vLLM drafts with it."""
 from pathlib import Path
 
 from eagle3ops.config import Config, TrainInit
-from eagle3ops.errors import InputError
 from eagle3ops.decoding.served import SMOKE_PROMPTS, serve_export
+from eagle3ops.errors import InputError
 from eagle3ops.formats.export import export_drafter, serving_guide
 from eagle3ops.fs import atomic_dir
 from eagle3ops.tracking.metrics import read_metrics, record

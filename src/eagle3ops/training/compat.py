@@ -22,6 +22,7 @@ from eagle3ops.config import TrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_drafter
+from eagle3ops.formats.validate import cpu_head_size_problems
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import default_aux_layers, text_config
 
@@ -35,7 +36,7 @@ class IncompatibleDrafter(InputError):
 
 @dataclass
 class Finding:
-    check: str  # vocabulary | hidden_size | layers | draft_vocab | attention | positions | rope | variant
+    check: str  # vocabulary | hidden_size | layers | draft_vocab | attention | positions | rope | serving | variant
     level: str  # ok | warning | needs_new_head | incompatible
     message: str
 
@@ -81,10 +82,19 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
     _hidden_size(report, cfg, target)
     _layers(report, cfg, target, aux_layers)
     _attention(report, cfg, target)
+    _serving(report, cfg, target)
     _variant(report, cfg)
     if data_counts is not None:
         _draft_vocab(report, cfg, checkpoint.weights["t2d"], data_counts, min_coverage)
     return report
+
+
+def _serving(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
+    problems = cpu_head_size_problems(cfg, target)
+    for problem in problems:
+        report.add("serving", "warning", problem)
+    if not problems:
+        report.add("serving", "ok", f"vLLM serves its head size ({cfg.head_dim}) and the target's on this machine")
 
 
 def _variant(report: CompatReport, cfg: DraftConfig) -> None:
