@@ -49,13 +49,6 @@ def test_same_family_drafter_is_compatible(tmp_path, tiny_target_dir):
     assert set(levels(report).values()) == {"ok"}
 
 
-def test_a_head_size_vllm_cannot_serve_on_this_cpu_is_a_warning(tmp_path, tiny_target_dir):
-    report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", heads=2), LAYERS)
-    assert report.verdict == "compatible" and levels(report)["serving"] == "warning"  # a GPU serves it
-    message = next(f.message for f in report.findings if f.check == "serving")
-    assert message.startswith("the drafter's head size is 16: vLLM cannot serve it on this machine (no GPU")
-
-
 def test_other_vocabulary_size_is_incompatible(tmp_path, tiny_target_dir):
     report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", vocab=400), LAYERS)
     assert report.verdict == "incompatible"
@@ -93,6 +86,14 @@ def test_low_draft_vocab_coverage_needs_a_new_head(tmp_path, tiny_target_dir):
 def test_short_max_positions_warns(tmp_path, tiny_target_dir):
     report = check_compat(tiny_target_dir, make_drafter(tmp_path / "d", max_positions=128), LAYERS)
     assert levels(report)["positions"] == "warning" and report.verdict == "compatible"
+
+
+def test_cli_says_when_vllm_cannot_serve_a_head_size_on_this_cpu(tmp_path, tiny_target_dir, capsys):
+    assert main(["check-compat", str(tiny_target_dir), str(make_drafter(tmp_path / "d"))]) == 0
+    assert "[  ok] serving: vLLM serves its head size (32) and the target's on this machine" in capsys.readouterr().out
+    assert main(["check-compat", str(tiny_target_dir), str(make_drafter(tmp_path / "d2", heads=2))]) == 0  # a GPU does
+    assert ("[WARN] serving: the drafter's head size is 16: vLLM cannot serve it on this machine (no GPU"
+            in capsys.readouterr().out)
 
 
 def test_cli_exit_codes_and_json(tmp_path, tiny_target_dir, capsys):

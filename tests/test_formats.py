@@ -136,8 +136,7 @@ def test_speculators_export_is_what_vllm_reads(ours, tmp_path, tiny_target_dir):
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM captures the input of layer i = HF index i
     assert config["norm_before_residual"] is False  # vLLM reads a missing one as true
     assert config["transformer_layer_config"]["max_position_embeddings"] == 512
-    # the verifier by its absolute path: `vllm serve EXPORT` finds the target from any directory
-    assert config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target_dir.resolve()),
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target_dir),
                                                         "architectures": ["LlamaForCausalLM"]}
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     keys = set(load_file(str(tmp_path / "spec" / "model.safetensors")))
@@ -489,9 +488,10 @@ def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tm
     assert torch.equal(exported["fc.weight"], read_weights(tmp_path / "models" / "drafters" / "warm_start")["fc.weight"])
     for fmt in ("sglang", "speculators"):
         assert validate_export(tmp_path / "models" / "export" / fmt, fmt, tiny_target_dir).ok
-    serving = (tmp_path / "models" / "export" / "SERVING.md").read_text()
+    serving = (tmp_path / "models" / "SERVING.md").read_text()  # beside the export, not in it: it names this checkout
     assert f"--speculative-draft-model-path {tmp_path / 'models' / 'export' / 'sglang'}" in serving
     assert f"vllm.entrypoints.openai.api_server --model {tmp_path / 'models' / 'export' / 'speculators'}" in serving
+    assert not (tmp_path / "models" / "export" / "SERVING.md").exists()
     metrics = json.loads((tmp_path / "metrics" / "export.json").read_text())
     assert metrics["warnings"] == 0 and metrics["sglang_mb"] > 0 and metrics["speculators_mb"] > 0
     # served once on vLLM as SERVING.md prints it (the random drafter drafts, whatever it gets accepted)

@@ -43,7 +43,8 @@ def _export_options(export: argparse.ArgumentParser) -> None:
     export.description = (
         "Without DRAFTER and OUT: the DVC stage, exporting export.drafter (default: the champion of this "
         "pipeline's eval) into export.out_dir in every one "
-        "of export.formats, with SERVING.md. With them: export that drafter (SpecForge/SGLang, EAGLE authors' or "
+        "of export.formats, the commands that serve them in export.guide (SERVING.md), and the speculators export "
+        "served once on vLLM (export.serve). With them: export that drafter (SpecForge/SGLang, EAGLE authors' or "
         "speculators layout) for the target TARGET_DIR, in the layout --format names: 'sglang' (SGLang's "
         "--speculative-draft-model-path; layer ids in SGLang's convention) or 'speculators' (`vllm serve OUT`, or "
         "vLLM's --speculative-config; layer ids in vLLM's). The export is validated before it replaces OUT; the "
@@ -341,6 +342,19 @@ def _bench(args) -> int:
     return 0
 
 
+def _serving_findings(report, target: str) -> None:
+    """Whether vLLM serves the drafter with the target on this machine (check-compat's `serving` finding)."""
+    from eagle3ops.modeling.target import text_config
+    from eagle3ops.serving.vllm import cpu_head_size_problems
+
+    head_dim = report.drafter_head_dim
+    problems = cpu_head_size_problems(text_config(target), head_dim)
+    for problem in problems:
+        report.add("serving", "warning", problem)
+    if not problems:
+        report.add("serving", "ok", f"vLLM serves its head size ({head_dim}) and the target's on this machine")
+
+
 def _check_compat(args) -> int:
     from eagle3ops.data.prepare import masked_token_counts
     from eagle3ops.training.compat import EXIT_CODES, check_compat
@@ -359,6 +373,7 @@ def _check_compat(args) -> int:
         samples, _ = tokenize_dataset(tokenizer, load_conversations(args.data), args.max_len, args.data)
         counts = count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples)
     report = check_compat(args.target, args.drafter, args.aux_layers, counts, args.min_coverage)
+    _serving_findings(report, args.target)
     print(report.render())
     if args.json:
         from eagle3ops.fs import write_json_atomic

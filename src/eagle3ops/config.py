@@ -454,14 +454,19 @@ class ExportConfig(Section):
     """The trained drafter written in the layouts the serving engines load, validated against the target."""
     # champion: the trained drafter with the best tau in this pipeline's eval (lossless where checked); or name one
     drafter: ExportDrafter = ExportDrafter.champion
-    out_dir: str = "models/export"  # one subdirectory per format, and SERVING.md with the launch commands
+    out_dir: str = "models/export"  # one subdirectory per format
+    # the launch commands, with this checkout's absolute paths so that they run from any directory: not cached by
+    # DVC (the export beside it is the same wherever it is made; this file names where)
+    guide: str = "models/SERVING.md"
     # sglang: SGLang's --speculative-draft-model-path; speculators: `vllm serve DIR`
     formats: list[ExportFormat] = field(default_factory=lambda: [ExportFormat.sglang, ExportFormat.speculators])
     # serve the speculators export once on vLLM as SERVING.md prints it; the stage fails unless vLLM drafts with it
     serve: bool = True
 
     def check(self) -> Iterator[tuple[str, str]]:
-        yield from _outputs_inside_project(self, "out_dir")
+        yield from _outputs_inside_project(self, "out_dir", "guide")
+        if Path(self.out_dir) in Path(self.guide).parents:
+            yield "guide", f"{self.guide!r} is inside export.out_dir ({self.out_dir!r}): DVC tracks each as an output"
         if not self.formats or len(set(self.formats)) != len(self.formats):
             yield "formats", f"{[str(f) for f in self.formats]} must be distinct formats, at least one"
 

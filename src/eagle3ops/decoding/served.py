@@ -30,7 +30,9 @@ from eagle3ops.decoding.engines import (
     settled_counters,
 )
 from eagle3ops.decoding.speculative import AcceptanceStats
+from eagle3ops.formats.checkpoint import read_json
 from eagle3ops.formats.export import export_drafter
+from eagle3ops.formats.validate import verifier_path
 from eagle3ops.serving.vllm import installed_version, vllm_server
 
 WORK_DIR = Path(".eagle3ops")
@@ -108,11 +110,13 @@ SMOKE_PROMPTS = ("The capital of France is", "def add(a, b):", "1, 2, 3, 4,")
 def serve_export(export_dir: str | Path, dtype: str, settings: VllmConfig, log_name: str = "export",
                  max_new_tokens: int = 32) -> dict:
     """Serve a speculators export as SERVING.md's second command does (`--model EXPORT`: vLLM reads the target
-    from its verifier), started from another directory, send a few prompts, and check that vLLM drafted with it.
-    Returns its counters; EngineError when it drafted nothing."""
+    from its verifier), from another directory (from this one where the verifier's path is relative, as the
+    command changes to it), send a few prompts, and check that vLLM drafted with it. Returns its counters;
+    EngineError when it drafted nothing."""
     export_dir = Path(export_dir).resolve()
+    relative = not verifier_path(read_json(export_dir / "config.json")).is_absolute()
     with tempfile.TemporaryDirectory() as elsewhere, \
-            vllm_server(export_dir, dtype, settings, log_name, cwd=elsewhere) as url:
+            vllm_server(export_dir, dtype, settings, log_name, cwd=Path.cwd() if relative else elsewhere) as url:
         model = served_model(url)
         tokens = sum(complete(url, model, f"smoke-{i}", prompt, max_new_tokens, 0.0)[0]
                      for i, prompt in enumerate(SMOKE_PROMPTS))

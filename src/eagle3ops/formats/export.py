@@ -65,9 +65,8 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
             if cfg.draft_vocab_size == cfg.vocab_size:
                 tensors = _without_identity_map(tensors, drafter_dir)
             architectures = read_json(check_model_dir(target_dir) / "config.json").get("architectures") or []
-            # the verifier by its absolute path: `vllm serve EXPORT` loads it from any directory
             config = to_speculators_config(cfg, dtype_name(tensors["fc.weight"].dtype), checkpoint.rope_scaling,
-                                           str(Path(target_dir).resolve()), architectures, speculative_tokens)
+                                           str(target_dir), architectures, speculative_tokens)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             save_file(to_speculators_names(tensors), str(out / WEIGHTS), metadata={"format": "pt"})
         write_json_atomic(out / EXPORT_RECORD, record)
@@ -107,8 +106,8 @@ def serving_guide(reports: dict[str, ExportReport], drafter_dir: str | Path, tar
     lines = ["# Serving the exported drafter", "",
              f"Drafter `{drafter_dir}`, exported for the target `{target_dir}` and validated against it "
              f"(`eagle3ops validate-export DIR --target {target_dir} --serve` checks it again and serves it once). "
-             f"The commands name absolute paths and the Python of the environment that exported it: they run as "
-             f"they are from any directory of this machine, serving on 127.0.0.1:8000.", ""]
+             f"The commands name this checkout's absolute paths and the Python of the environment that exported "
+             f"it: they run as they are from any directory of this machine, serving on 127.0.0.1:8000.", ""]
     for fmt, report in reports.items():
         lines += [f"## {fmt}: `{report.directory}`", "", "```bash", *report.commands, "```", ""]
         lines += [f"- warning: {w}" for w in report.warnings] + [f"- {n}" for n in report.notes] + [""]

@@ -26,7 +26,7 @@ from eagle3ops.formats.checkpoint import (
 from eagle3ops.formats.conventions import CONVENTIONS, rope_settings, to_hf
 from eagle3ops.formats.specforge import CheckpointError
 from eagle3ops.modeling.target import TargetError, check_model_dir, default_aux_layers, text_config
-from eagle3ops.serving.vllm import VLLM_CPU_HEAD_SIZES, on_gpu, printed_command
+from eagle3ops.serving.vllm import cpu_head_size_problems, printed_command
 
 EXPORT_RECORD = "eagle3ops_export.json"
 LAYOUT_CONVENTION = {"sglang": "sglang", "speculators": "vllm"}  # how each export layout writes layer ids
@@ -240,19 +240,7 @@ def check_engine_limits(errors: list[str], warnings: list[str], draft, target: d
                       f"{serving_length} (" + ("vllm.max_model_len" if vllm.max_model_len else "the target's") +
                       "): vLLM stops drafting past it and acceptance falls to about zero")
     if head_sizes:
-        warnings += [f"{where}: {problem}" for problem in cpu_head_size_problems(draft, target)]
-
-
-def cpu_head_size_problems(draft, target: dict) -> list[str]:
-    """On a machine without a GPU: the head sizes (the target's, the drafter's) that vLLM's CPU attention has no
-    kernel for; the server would start, and its first request kill the engine."""
-    if on_gpu():
-        return []
-    heads = target.get("num_attention_heads") or 1
-    sizes = {"the target": target.get("head_dim") or target["hidden_size"] // heads, "the drafter": draft.head_dim}
-    return [f"{who}'s head size is {size}: vLLM cannot serve it on this machine (no GPU; its CPU attention has "
-            f"kernels for head sizes {list(VLLM_CPU_HEAD_SIZES)}); serve it on a GPU"
-            for who, size in sizes.items() if size not in VLLM_CPU_HEAD_SIZES]
+        warnings += [f"{where}: {problem}" for problem in cpu_head_size_problems(target, draft.head_dim)]
 
 
 def _check_layers(report: ExportReport, raw: RawCheckpoint, checkpoint: DrafterCheckpoint,
@@ -297,7 +285,8 @@ def _commands(report: ExportReport, raw: RawCheckpoint, trained: list[int], defa
     for engine in ENGINES[raw.layout]:
         fed = to_hf(written, engine) if written else default
         if fed == trained:
-            report.commands += launch_commands(engine, report.directory, target_dir, steps, raw.layout, vllm)
+            report.commands += launch_commands(engine, report.directory, target_dir, steps, raw.layout, vllm,
+                                               raw.config)
         else:
             report.notes.append(f"not for {engine}: it would read these ids as HF indices {fed} "
                                 f"({CONVENTIONS[engine]}), not the trained {trained}; for {engine}, serve the "
@@ -305,11 +294,12 @@ def _commands(report: ExportReport, raw: RawCheckpoint, trained: list[int], defa
 
 
 def launch_commands(engine: str, directory: str | Path, target_dir: str | Path, steps: int = 3,
-                    layout: str = "sglang", vllm: VllmConfig | None = None) -> list[str]:
+                    layout: str = "sglang", vllm: VllmConfig | None = None, config: dict | None = None) -> list[str]:
     """Chain drafting of `steps` tokens, top-1: SGLang's draft tokens are the steps plus the bonus token. Absolute
     paths, so that each runs from any directory; vLLM's in the target's own dtype, with this machine's settings
     (serving/vllm.py), the second serving the speculators directory alone (vLLM reads the target from its
-    verifier)."""
+    verifier in `config`, relative to where it starts: the command changes to this directory first when that
+    path is relative, as target.path is in the zoo)."""
     drafter, target = Path(directory).resolve(), Path(target_dir).resolve()
     if engine == "sglang":
         return [f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} --speculative-algorithm "
@@ -317,7 +307,16 @@ def launch_commands(engine: str, directory: str | Path, target_dir: str | Path, 
                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"]
     vllm, dtype = vllm or VllmConfig(), serving_dtype(target_dir)
     commands = [printed_command(target, dtype, vllm, drafter=drafter, k=steps)]
-    return commands + [printed_command(drafter, dtype, vllm)] if layout == "speculators" else commands
+    if layout != "speculators":
+        return commands
+    # alone, vLLM loads the target from the export's verifier: a relative one resolves where the server starts
+    relative = not verifier_path(config or {}).is_absolute()
+    return commands + [printed_command(drafter, dtype, vllm, cwd=Path.cwd() if relative else None)]
+
+
+def verifier_path(config: dict) -> Path:
+    """The target a speculators export's config.json names (speculators_config.verifier.name_or_path)."""
+    return Path(((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "")
 
 
 def serving_dtype(target_dir: str | Path) -> str:

@@ -40,9 +40,12 @@ class Reproduction:
         return all(row["identical"] for row in self.outputs if row["kind"] == "result")
 
 
-def _kind(path: str, report_dir: str) -> str:
-    timed = path == str(HEADLINE) or path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}"))
-    return "timing" if timed else "result"
+def _kind(path: str, params: dict) -> str:
+    """timing: holds wall times; checkout: names the checkout's own paths (the serving guide); else result."""
+    report_dir = (params.get("report") or {}).get("out_dir", "reports")
+    if path == str(HEADLINE) or path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}")):
+        return "timing"
+    return "checkout" if path == (params.get("export") or {}).get("guide", "models/SERVING.md") else "result"
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
@@ -73,8 +76,8 @@ def reproduce(client: MlflowClient, run_id: str, repo: Path, tracking_uri: str, 
         _run(["dvc", "repro", "--force"], worktree, env)
         recorded = lock_outputs(staging / "lineage" / "dvc.lock")
         again = lock_outputs(worktree / "dvc.lock")
-        report_dir = yaml.safe_load((worktree / "params.yaml").read_text()).get("report", {}).get("out_dir", "reports")
-        outputs = [{"path": path, "kind": _kind(path, report_dir), "recorded": md5, "reproduced": again.get(path),
+        params = yaml.safe_load((worktree / "params.yaml").read_text())
+        outputs = [{"path": path, "kind": _kind(path, params), "recorded": md5, "reproduced": again.get(path),
                     "identical": again.get(path) == md5} for path, md5 in sorted(recorded.items())]
         metrics = _metric_moves(record, read_all(worktree / "metrics"))
     finally:

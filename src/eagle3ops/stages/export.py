@@ -1,14 +1,14 @@
 """Stage `export`: the champion among train's drafters (or the one export.drafter names) written in the layouts
 SGLang and vLLM load, each validated against the target before it is written, with the launch commands in
-SERVING.md; with export.serve, the speculators export then served once on vLLM as SERVING.md prints it, from
-another directory: the stage fails unless vLLM drafts with it."""
+export.guide (SERVING.md); with export.serve, the speculators export then served once on vLLM as SERVING.md prints
+it: the stage fails unless vLLM drafts with it."""
 from pathlib import Path
 
 from eagle3ops.config import Config, TrainInit
 from eagle3ops.decoding.served import SMOKE_PROMPTS, serve_export
 from eagle3ops.errors import InputError
 from eagle3ops.formats.export import export_drafter, serving_guide
-from eagle3ops.fs import atomic_dir
+from eagle3ops.fs import atomic_dir, write_text_atomic
 from eagle3ops.tracking.metrics import read_metrics, record
 from eagle3ops.tracking.run import stage_run
 
@@ -36,10 +36,10 @@ def run(cfg: Config) -> None:
             reports = {fmt: export_drafter(drafter, out / fmt, fmt, cfg.target.path, served_as=out_dir / fmt,
                                            vllm=cfg.vllm)
                        for fmt in cfg.export.formats}
-            (out / "SERVING.md").write_text(serving_guide(reports, drafter, cfg.target.path), encoding="utf-8")
+        write_text_atomic(cfg.export.guide, serving_guide(reports, drafter, cfg.target.path))
         for report in reports.values():
             print(report.render(), flush=True)
-        tracked.log_artifact(out_dir / "SERVING.md", "export")
+        tracked.log_artifact(cfg.export.guide, "export")
         sizes = {f"{fmt}_mb": round(sum(f.stat().st_size for f in (out_dir / fmt).iterdir()) / 2**20, 3)
                  for fmt in reports}
         served = {}

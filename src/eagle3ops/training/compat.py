@@ -22,7 +22,6 @@ from eagle3ops.config import TrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_drafter
-from eagle3ops.formats.validate import cpu_head_size_problems
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import default_aux_layers, text_config
 
@@ -48,6 +47,7 @@ class CompatReport:
     findings: list[Finding] = field(default_factory=list)
     draft_vocab_coverage: float | None = None  # share of the new data's loss-masked tokens the drafter can express
     best_coverage: float | None = None  # what a draft vocabulary of the same size built from that data would reach
+    drafter_head_dim: int | None = None
 
     @property
     def verdict(self) -> str:
@@ -77,24 +77,15 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
     target = text_config(target_dir)
     checkpoint = read_drafter(drafter_dir)  # any layout eagle3ops reads
     cfg = checkpoint.cfg
-    report = CompatReport(str(target_dir), str(drafter_dir))
+    report = CompatReport(str(target_dir), str(drafter_dir), drafter_head_dim=cfg.head_dim)
     _vocabulary(report, cfg, target)
     _hidden_size(report, cfg, target)
     _layers(report, cfg, target, aux_layers)
     _attention(report, cfg, target)
-    _serving(report, cfg, target)
     _variant(report, cfg)
     if data_counts is not None:
         _draft_vocab(report, cfg, checkpoint.weights["t2d"], data_counts, min_coverage)
     return report
-
-
-def _serving(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
-    problems = cpu_head_size_problems(cfg, target)
-    for problem in problems:
-        report.add("serving", "warning", problem)
-    if not problems:
-        report.add("serving", "ok", f"vLLM serves its head size ({cfg.head_dim}) and the target's on this machine")
 
 
 def _variant(report: CompatReport, cfg: DraftConfig) -> None:
