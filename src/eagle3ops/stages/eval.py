@@ -98,9 +98,11 @@ def run(cfg: Config, drafter: str) -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             with tracked.phase("serve"):
+                # the target alone once a pipeline, with the baseline: every server loads the whole target again
                 served = measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets,
                                          partial(prompt_ids, tokenizer), cfg.eval.k, cfg.eval.max_new_tokens,
-                                         settings.temperature, cfg.eval.concurrency, cfg.seed, drafter)
+                                         settings.temperature, cfg.eval.concurrency, cfg.seed, drafter,
+                                         target_alone=drafter == "baseline")
             fields["vllm"] = _served_fields(cfg, served, target_outputs if settings.greedy else None)
             if settings.greedy:
                 check_agreement(side_by_side(overall, served.overall(cfg.eval.k), per_set,
@@ -153,8 +155,8 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
 
 
 def _served_fields(cfg: Config, served: Served, references: dict[str, list[int]] | None) -> dict:
-    """What vLLM measured, in the hf backend's terms, with the served speed with and without the drafter on this
-    hardware; greedy, how many prompts' output is token for token the target's greedy output."""
+    """What vLLM measured, in the hf backend's terms, with the served speed with the drafter (and, where it was
+    measured, without it) on this hardware; greedy, how many prompts' output is token for token the target's."""
     k = cfg.eval.k
     fields = {"version": served.version,
               **acceptance_fields(served.overall(k), {name: m.stats for name, m in served.with_drafter.items()},
@@ -211,7 +213,5 @@ def _register(cfg: Config, tracked, drafter: str, path: Path, fields: dict, iden
     linked = {"tau": (fields["tau"], None, None),
               **{f"tau/{name}": (tau, paths[name], digests[name]) for name, tau in fields["tau_by_set"].items()}}
     if "vllm" in fields:  # the same drafter measured on vLLM: the version shows both
-        linked.update({"vllm/tau": (fields["vllm"]["tau"], None, None),
-                       **({"vllm/speedup": (fields["vllm"]["speedup"], None, None)} if "speedup" in fields["vllm"]
-                          else {})})
+        linked["vllm/tau"] = (fields["vllm"]["tau"], None, None)
     tracked.register_drafter(cfg.mlflow.registered_model, weights_sha256(path), fields["tau"], linked, measurement)
