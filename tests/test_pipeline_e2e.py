@@ -497,7 +497,8 @@ def test_a_drafter_the_engine_reads_differently_fails_its_eval(repo, first_run, 
     monkeypatch.setattr(served, "export_drafter", misread)
     assert main(["eval", "--drafter", "scratch", "--set", "eval.engine_tolerance=0"]) != 0
     err = capsys.readouterr().err
-    assert "eval@scratch: vLLM's acceptance differs from the project's decoder's by more than eval.engine_tolerance" in err
+    assert ("eagle3ops eval@scratch: error: vLLM's acceptance of the scratch drafter differs from the project's "
+            "decoder's by more than eval.engine_tolerance = 0") in err
     assert re.search(r"\n  tau +\d\.\d{4} +\d\.\d{4} +[+-]\d\.\d{4}\n  a1 ", err)
 
 

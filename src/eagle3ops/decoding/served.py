@@ -2,15 +2,17 @@
 
 The drafter is exported to the speculators layout first (vLLM's layer-id convention; the same export the
 export stage writes), then served with the target exactly as users serve it: acceptance from vLLM's own
-counters, each prompt's generated ids, and tokens/s. A second server, the target alone, answers the same
-requests: the speed-up the drafter buys on this hardware.
+counters, each prompt's generated ids, and tokens/s. With `target_alone` (the baseline's eval, once a pipeline:
+each server loads the whole target), a second server, the target alone, answers the same requests: what the
+drafters' speed on this hardware is divided by.
 
 Agreement. In greedy decoding both sides verify with the same target, so each prompt's output is the target's
 greedy output and the drafts accepted are the same, up to float rounding between the two implementations: in
-float32, a rounding difference (about 1e-6 of a logit) changes a choice only at a near-tie, which moves tau by
-one step in a thousand, not by the hundredths that a format or convention bug costs (a layer fed off by one, a
-misread d2t, the wrong residual: each takes tau down by 0.3 or more on the zoo). `eval.engine_tolerance`
-(default 0.02 on tau and on each a_i) sits between the two; in bf16 the gap is wider and the tolerance with it.
+float32 a rounding difference (about 1e-6 of a logit) changes a choice only at a near-tie, which moves tau by a
+step in a few thousand; on the zoo none of the 40 prompts differs. A drafter the engine reads differently from
+the decoder moves it by far more: its d2t rotated by one takes the zoo's scratch drafter from 3.59 to 1.00.
+`eval.engine_tolerance` (default 0.02 on tau and on each a_i) sits between the two; in bf16 the gap between two
+implementations is wider, and the tolerance with it.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def check_agreement(rows: list[tuple[str, float, float]], tolerance: float, draf
     table = "\n".join(f"  {name:<16} {decoder:>8.4f} {engine:>8.4f} {engine - decoder:>+9.4f}"
                       for name, decoder, engine in rows)
     raise EngineDisagreement(
-        f"eval@{drafter}: vLLM's acceptance differs from the project's decoder's by more than "
+        f"vLLM's acceptance of the {drafter} drafter differs from the project's decoder's by more than "
         f"eval.engine_tolerance = {tolerance} in greedy decoding, where both verify with the same target: the "
         f"drafter is read differently by the engine (layer ids, d2t, norms, rope) or the decoder counts "
         f"differently\n  {'figure':<16} {'decoder':>8} {'vLLM':>8} {'vLLM-dec':>9}\n{table}")
