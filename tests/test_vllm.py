@@ -17,6 +17,8 @@ import pytest
 
 from eagle3ops.cli import main
 from eagle3ops.config import VllmConfig
+from eagle3ops.decoding.served import check_servable
+from eagle3ops.errors import InputError
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
@@ -59,6 +61,14 @@ def test_a_torchvision_that_does_not_load_is_named_with_the_fix(tmp_path, monkey
         installed_version()
 
 
+def test_eval_says_before_it_decodes_when_vllm_cannot_serve_the_drafter_here(tiny_target_dir):
+    with pytest.raises(InputError, match=r"eval.engine vllm: the drafter's head size is 16: vLLM cannot serve it on "
+                                         r"this machine .*; or set eval.engine: null to measure with the project's "
+                                         r"decoder alone"):
+        check_servable(tiny_target_dir, 16)
+    check_servable(tiny_target_dir, 32)  # the tiny target's own
+
+
 def test_a_server_that_cannot_start_is_named_with_the_end_of_its_log(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "not-a-model").mkdir()
@@ -72,6 +82,8 @@ def test_a_server_that_cannot_start_is_named_with_the_end_of_its_log(tmp_path, m
 HOLDER = """
 import sys, time
 from eagle3ops.config import VllmConfig
+from eagle3ops.decoding.served import check_servable
+from eagle3ops.errors import InputError
 from eagle3ops.serving.vllm import vllm_server
 with vllm_server(sys.argv[1], "float32", VllmConfig(), "holder"):
     print("ready", flush=True)

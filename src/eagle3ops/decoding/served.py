@@ -32,10 +32,12 @@ from eagle3ops.decoding.engines import (
     settled_counters,
 )
 from eagle3ops.decoding.speculative import AcceptanceStats
+from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_json
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.validate import verifier_path
-from eagle3ops.serving.vllm import installed_version, vllm_server
+from eagle3ops.modeling.target import text_config
+from eagle3ops.serving.vllm import cpu_head_size_problems, installed_version, vllm_server
 
 WORK_DIR = Path(".eagle3ops")
 
@@ -60,6 +62,14 @@ class Served:
 
     def outputs(self) -> dict[str, list[int]]:
         return {pid: ids for m in self.with_drafter.values() for pid, ids in m.outputs.items()}
+
+
+def check_servable(target_dir: str | Path, drafter_head_dim: int) -> None:
+    """Before anything runs: InputError when vLLM cannot serve the target with the drafter on this machine."""
+    problems = cpu_head_size_problems(text_config(target_dir), drafter_head_dim)
+    if problems:
+        raise InputError(f"eval.engine vllm: {'; '.join(problems)}; or set eval.engine: null to measure with the "
+                         f"project's decoder alone")
 
 
 def measure_on_vllm(target_dir: str | Path, drafter_dir: str | Path, dtype: str, settings: VllmConfig,

@@ -13,7 +13,7 @@ from eagle3ops.config import Config
 from eagle3ops.data.benchmarks import load_sets
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import measure
-from eagle3ops.decoding.served import Served, check_agreement, measure_on_vllm, side_by_side
+from eagle3ops.decoding.served import Served, check_agreement, check_servable, measure_on_vllm, side_by_side
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
 from eagle3ops.formats.checkpoint import load_any_drafter
@@ -59,6 +59,8 @@ def run(cfg: Config, drafter: str) -> None:
             draft = load_any_drafter(path, target.get_input_embeddings().weight.detach().cpu()).to(target.device).eval()
             depth = model_text_config(target).num_hidden_layers
             draft.cfg.aux_layers = draft.cfg.aux_layers or default_aux_layers(depth)
+            if cfg.eval.engine:  # before any decoding: can vLLM serve these here at all
+                check_servable(cfg.target.path, draft.cfg.head_dim)
             sets = load_sets(cfg.eval.sets, cfg.eval.max_prompts)
             prompts = [prompt for set_prompts in sets.values() for prompt in set_prompts]
         eos = {tokenizer.eos_token_id}
