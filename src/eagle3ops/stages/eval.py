@@ -114,7 +114,7 @@ def run(cfg: Config, drafter: str) -> None:
                   ("no" if mismatched else "yes") if settings.greedy else "not checked")
         _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
-            "backend": "hf", **size, "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
+            **size, "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
             **({"lossless": not mismatched, "mismatched_prompts": len(mismatched)} if settings.greedy else {}),
             "draft_vocab_coverage": round(in_vocab / max(1, plain_tokens), 4),  # target tokens it can draft at all
@@ -150,8 +150,9 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
         seconds = sum(result.seconds for result in measured.values())
         _register(cfg, tracked, drafter, path, fields, identity, "not checked")
         _log_per_set(tracked, fields)
+        tracked.set_tags({"eagle3ops.eval.backend": str(ev.backend)})  # metrics files hold numbers
         record(tracked, f"eval-{drafter}", {
-            "backend": str(ev.backend), "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
+            "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
             "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         })
 
