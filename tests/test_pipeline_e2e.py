@@ -248,13 +248,20 @@ def documented_commands(prefix: str) -> list[list[str]]:
     import shlex
 
     blocks = [block.split("```")[0] for block in (ROOT / "README.md").read_text().split("```bash\n")[1:]]
-    return [shlex.split(line) for block in blocks for line in block.splitlines() if line.startswith(prefix)]
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
+            if line.startswith(prefix)]
 
 
 def test_the_documented_views_of_the_experiments_fit_a_terminal(repo, first_run):
-    """After the baseline commit and one experiment (test_changing_lr...): the README's `dvc exp show` filter
-    fits 120 columns with nothing cut off, and `dvc metrics diff` compares the workspace with the baseline."""
-    (show,) = documented_commands("dvc exp show")
+    """After the baseline commit and one experiment (test_changing_lr...): each of the README's `dvc exp show`
+    filters fits 120 columns with nothing cut off, and `dvc metrics diff` compares the workspace with the
+    baseline."""
+    show, *engine_views = documented_commands("dvc exp show")
+    for view, metric in zip(engine_views, ("tau_vllm", "speedup_vllm")):
+        table = run([*view, "--no-pager"], repo, env={"COLUMNS": "120"})
+        assert max(len(line.rstrip()) for line in table.splitlines()) <= 120 and "…" not in table, table
+        assert [line for line in table.splitlines() if line.strip()][1].split() == [
+            "Experiment", *(f"{metric}.{drafter}" for drafter in ("baseline", "scratch", "warm_start"))], table
     table = run([*show, "--no-pager"], repo, env={"COLUMNS": "120"})
     lines = [line for line in table.splitlines() if line.strip()]
     assert max(len(line.rstrip()) for line in lines) <= 120 and "…" not in table, table
