@@ -148,6 +148,9 @@ MICRO = [
     # AdamW: the online run is held to the offline one to 1e-6, and Muon orthogonalises each step in bf16, which
     # turns the two paths' float32 rounding into bf16's
     "train.optimizer=adamw",
+    # 8 prompts of 24 tokens: about 150 verification steps, so one near-tie that vLLM's batching (8 requests in
+    # flight, batched differently run to run) rounds the other way moves an a_i by 0.007
+    "eval.engine_tolerance=0.1",
 ]
 
 

@@ -72,8 +72,8 @@ def test_repro_builds_every_stage(repo, first_run):
         # measured on vLLM too, in greedy float32: the engine's counters give the decoder's figures, and every
         # prompt's output is the target's
         served = metrics["vllm"]
-        assert abs(served["tau"] - metrics["tau"]) <= 0.02 and served["version"].startswith("0.32.0")
-        assert all(abs(served[f"accept_{i}"] - metrics[f"accept_{i}"]) <= 0.02 for i in (1, 2, 3))
+        assert abs(served["tau"] - metrics["tau"]) <= 0.1 and served["version"].startswith("0.32.0")
+        assert all(abs(served[f"accept_{i}"] - metrics[f"accept_{i}"]) <= 0.1 for i in (1, 2, 3))
         assert served["greedy_equal_prompts"] == metrics["prompts"]
         assert served["tokens_per_s"] > 0 and served["hardware"].startswith("cpu-") and served["concurrency"] == 8
         # the target alone, measured once a pipeline (a server loads the whole target): with the baseline
