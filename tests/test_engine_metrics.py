@@ -235,7 +235,7 @@ def test_engine_failures_are_named():
             measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
     with fake_engine() as (url, _):
         stopped = url
-    with pytest.raises(EngineError, match=r"/v1/models: cannot reach the server .*check eval.server_url"):
+    with pytest.raises(EngineError, match=r"/v1/models: cannot reach the server .*eval.server_url"):
         measure("vllm", stopped, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
 
 

@@ -175,7 +175,7 @@ def test_the_target_asked_ahead_by_a_thread_and_by_the_probe_in_turn(samples, mo
         expected = hooks.final().clone()
 
     def run(depth: int) -> tuple[list[float], list[bool]]:
-        monkeypatch.setattr(loop, "assembly_depth", lambda device: depth)
+        monkeypatch.setattr(loop, "assembly_depth", lambda device, remote_states=False: depth)
         torch.manual_seed(0)
         draft = Eagle3Draft(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                         num_key_value_heads=2, vocab_size=model.config.vocab_size,

@@ -47,10 +47,11 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 DType = choices("DType", "float32", "bfloat16", "float16")
 FeatureDType = choices("FeatureDType", "float32", "bfloat16", "float16", "float8_e4m3")  # data/hidden_states.py
 GenerateBackend = choices("GenerateBackend", "hf", "vllm", "openai", "none")
-ExtractBackend = choices("ExtractBackend", "hf", "import")
+ExtractBackend = choices("ExtractBackend", "hf", "vllm", "import")
 ImportFormat = choices("ImportFormat", "speculators", "specforge")
 TrainInit = choices("TrainInit", "scratch", "warm_start")
 HiddenStates = choices("HiddenStates", "offline", "online")
+OnlineEngine = choices("OnlineEngine", "hf", "vllm")
 WarmStartVocab = choices("WarmStartVocab", "auto", "keep", "remap")
 TTTPositions = choices("TTTPositions", "fixed", "raised")
 Optimizer = choices("Optimizer", "adamw", "muon")
@@ -307,7 +308,9 @@ class ExtractConfig(Section):
     # float8_e4m3: half of bf16's bytes, a scale per token and layer (data/hidden_states.py; docs/team.md, "Disk")
     dtype: FeatureDType = FeatureDType.float32
     max_nonfinite_fraction: float = 0.01  # samples with NaN/inf states are skipped; above this share, fail
-    backend: ExtractBackend = ExtractBackend.hf  # hf: run the target here; import: a serving engine's output
+    # hf: run the target here (forward hooks); vllm: a vLLM server captures them (extraction/vllm.py; the `vllm`
+    # settings, tensor_parallel_size among them); import: what a peer's engine-backed generator wrote
+    backend: ExtractBackend = ExtractBackend.hf
     # backend import: the speculators / SpecForge output directory (extraction/imported.py). A DVC dep of extract:
     # with backend hf it names the prepared data, already a dep, so that the path exists
     import_dir: str = "data/prepared"
@@ -349,6 +352,11 @@ class TrainConfig(DrafterTrainConfig):
     # offline: from the extract stage's shards; online: from the target, run beside the drafter, none stored
     # (training/online.py); the `pipeline` keys wire dvc.yaml to match
     hidden_states: HiddenStates = HiddenStates.offline
+    # online: hf, the target loaded in this process (target.device_map); vllm, a vLLM server captures the states
+    # (training/online.py, EngineTargetStates): the one at online_url, or one the stage starts (`vllm` settings)
+    online_engine: OnlineEngine = OnlineEngine.hf
+    # a server started with the hidden-states capture (docs/team.md); it writes to a directory this process reads
+    online_url: Optional[str] = None
     epochs: int = 6
     lr: float = 3e-3
     # What measured best on the embedded default (docs/training.md, "Variants"); the zoo's own drafter, the
@@ -360,6 +368,11 @@ class TrainConfig(DrafterTrainConfig):
         yield from _outputs_inside_project(self, "out_dir")
         if not 0.0 <= self.warm_start_min_coverage <= 1.0:
             yield "warm_start_min_coverage", "must be in [0, 1]"
+        if self.online_url is not None:
+            if self.online_engine != OnlineEngine.vllm or self.hidden_states != HiddenStates.online:
+                yield "online_url", "is read only with hidden_states online and online_engine vllm"
+            elif not self.online_url.startswith(("http://", "https://")):
+                yield "online_url", f"{self.online_url!r} is not an http(s) base URL (http://host:port)"
 
 
 @dataclass

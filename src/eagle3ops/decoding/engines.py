@@ -18,21 +18,17 @@ SGLang: its OpenAI endpoints return no speculative counts; its native /generate 
 """
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from eagle3ops.decoding.speculative import AcceptanceStats
-from eagle3ops.errors import InputError
 from eagle3ops.progress import progress
+from eagle3ops.serving.http import EngineError, fetch, fetch_json, served_model
 
-REQUEST_TIMEOUT_S = 900.0
 # vLLM's frontend may count a step's drafts a moment after it sends the step's tokens: read /metrics until it
 # stops moving (SETTLE_READS reads, SETTLE_INTERVAL_S apart at most).
 SETTLE_INTERVAL_S = 0.2
@@ -43,10 +39,6 @@ VLLM_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_t
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
 _ESCAPE = re.compile(r"\\(.)")
-
-
-class EngineError(InputError):
-    """The server cannot be reached, answers with an error, or does not report speculative decoding."""
 
 
 @dataclass
@@ -125,29 +117,6 @@ def vllm_counters(text: str, source: str) -> SpecCounters:
 
 # ---- HTTP ------------------------------------------------------------------------------------------------------
 
-def _fetch(url: str, payload: dict | None = None) -> bytes:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            return response.read()
-    except urllib.error.HTTPError as err:
-        raise EngineError(f"{url}: HTTP {err.code}: {err.read().decode('utf-8', 'replace')[:300]}") from None
-    except (urllib.error.URLError, OSError) as err:  # refused, unknown host, timeout
-        raise EngineError(f"{url}: cannot reach the server ({getattr(err, 'reason', err)}); check eval.server_url") from None
-
-
-def _fetch_json(url: str, payload: dict | None = None) -> dict:
-    body = _fetch(url, payload)
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise EngineError(f"{url}: the answer is not a JSON object: {body[:200]!r}")
-    return answer
-
-
 def _in_parallel(prompts: list[dict], send: Callable[[dict], object], concurrency: int, bar) -> list:
     """send(prompt) for every prompt, `concurrency` at a time; the first failure cancels what has not started."""
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -167,10 +136,10 @@ def _in_parallel(prompts: list[dict], send: Callable[[dict], object], concurrenc
 # ---- engines ---------------------------------------------------------------------------------------------------
 
 def settled_counters(metrics_url: str) -> SpecCounters:
-    current = vllm_counters(_fetch(metrics_url).decode("utf-8", "replace"), metrics_url)
+    current = vllm_counters(fetch(metrics_url).decode("utf-8", "replace"), metrics_url)
     for _ in range(SETTLE_READS):
         time.sleep(SETTLE_INTERVAL_S)
-        following = vllm_counters(_fetch(metrics_url).decode("utf-8", "replace"), metrics_url)
+        following = vllm_counters(fetch(metrics_url).decode("utf-8", "replace"), metrics_url)
         if following == current:
             return current
         current = following
@@ -178,18 +147,11 @@ def settled_counters(metrics_url: str) -> SpecCounters:
                       f"another client is using the server")
 
 
-def served_model(url: str) -> str:
-    models = _fetch_json(f"{url}/v1/models").get("data")
-    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
-        raise EngineError(f"{url}/v1/models: no served model listed")
-    return models[0]["id"]
-
-
 def complete(url: str, model: str, prompt_id: str, prompt: list[int] | str, max_new_tokens: int,
              temperature: float) -> tuple[int, list[int]]:
     """One /v1/completions request on the prompt's token ids (or text); (completion tokens, the generated ids)."""
     completions_url = f"{url}/v1/completions"
-    answer = _fetch_json(completions_url, {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
+    answer = fetch_json(completions_url, {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
                                            "temperature": temperature, "return_token_ids": True})
     tokens = (answer.get("usage") or {}).get("completion_tokens")
     if not isinstance(tokens, int):
@@ -254,7 +216,7 @@ def _measure_sglang(url: str, sets: dict[str, list[dict]], k: int, max_new_token
     generate_url = f"{url}/generate"
 
     def send(prompt: dict) -> tuple[int, int, list[int] | None]:
-        answer = _fetch_json(generate_url, {"input_ids": encode(prompt["messages"]),
+        answer = fetch_json(generate_url, {"input_ids": encode(prompt["messages"]),
                                             "sampling_params": {"max_new_tokens": max_new_tokens,
                                                                 "temperature": temperature}})
         meta = answer.get("meta_info") or {}

@@ -1,4 +1,5 @@
-"""Hidden-state capture: run the target over tokenized samples and write what the drafter trains on.
+"""Hidden-state capture: run the target over tokenized samples and write what the drafter trains on (the shards'
+writer, `write_features`, is also extraction/vllm.py's).
 
 Per sample the shard holds input_ids [T], loss_mask [T], aux_hidden [T, 3H] (the three configured layers,
 low to high) and final_hidden [T, H] (after the target's final norm; training gets the target's logits from
@@ -11,6 +12,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,50 +40,66 @@ class ExtractResult:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
+# A batch's states, packed sample after sample: (aux [sum(lengths), 3H] low to high, final [sum(lengths), H])
+BatchStates = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
 @torch.no_grad()
 def extract_features(model, samples: list[dict], aux_layers: list[int], out_dir: str | Path, batch_size: int,
                      samples_per_shard: int, dtype: str = "float32", meta: dict | None = None,
                      desc: str = "extract", resumable: bool = False, max_nonfinite_fraction: float = 0.01) -> ExtractResult:
-    """Batches are length-sorted (less padding) and right-padded with an attention mask; each sample keeps only
-    its own positions, so batch composition cannot leak into the stored states. Shards hold the samples in
-    that (deterministic) length order, each under its id, and whole batches only (samples_per_shard is rounded
-    up to a multiple of batch_size): a run resumed after its last complete shard (`resumable`) forms the very
-    same batches, so its shards are byte for byte those of an uninterrupted run.
-
-    Four things overlap: the target's forward of batch i+1 on the device, the copy of batch i's states to the
-    host, the sorting of copied batches into samples by a background thread, and the writing of the last full
-    shard by another. At most `QUEUED_BATCHES` batches wait, so host memory stays bounded by two shards (one
-    filling, one being written) plus those batches; when the disk is the slower side, the forward waits."""
+    """The target's states through forward hooks, written by `write_features`. Batches are right-padded with an
+    attention mask; each sample keeps only its own positions, so batch composition cannot leak into the stored
+    states."""
     device = model.device
+    with capture(model, aux_layers) as hooks:
+        def forward(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            mask = torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]  # [B, T] real positions
+            # Known on the host, so packing needs no sync with the device: the CPU queues batch i+1's
+            # forward while the device still runs batch i's.
+            positions = mask.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)  # [sum(lengths)]
+            padded = min(lengths) < ids.shape[1]  # without padding, no mask: the plain causal kernel
+            model(input_ids=ids.to(device, non_blocking=True),
+                  attention_mask=mask.to(device, non_blocking=True).long() if padded else None, use_cache=False,
+                  logits_to_keep=1)
+            return (hooks.aux().flatten(0, 1).index_select(0, positions),
+                    hooks.final().flatten(0, 1).index_select(0, positions))
+
+        return write_features(forward, samples, aux_layers, model_text_config(model).hidden_size, out_dir,
+                              batch_size, samples_per_shard, dtype, meta, desc, resumable, max_nonfinite_fraction)
+
+
+def write_features(forward: BatchStates, samples: list[dict], aux_layers: list[int], hidden_size: int,
+                   out_dir: str | Path, batch_size: int, samples_per_shard: int, dtype: str = "float32",
+                   meta: dict | None = None, desc: str = "extract", resumable: bool = False,
+                   max_nonfinite_fraction: float = 0.01) -> ExtractResult:
+    """Run `forward` over length-sorted batches (less padding; ids [B, T] right-padded with 0) and write its states
+    to shards. Shards hold the samples in that (deterministic) length order, each under its id, and whole batches
+    only (samples_per_shard is rounded up to a multiple of batch_size): a run resumed after its last complete shard
+    (`resumable`) forms the very same batches, so its shards are byte for byte those of an uninterrupted run.
+
+    Four things overlap: the forward of batch i+1 on the device, the copy of batch i's states to the host, the
+    sorting of copied batches into samples by a background thread, and the writing of the last full shard by
+    another. At most `QUEUED_BATCHES` batches wait, so host memory stays bounded by two shards (one filling, one
+    being written) plus those batches; when the disk is the slower side, the forward waits."""
     order = extraction_order([len(sample["input_ids"]) for sample in samples])
     samples_per_shard = math.ceil(samples_per_shard / batch_size) * batch_size
     writer = ShardWriter(Path(out_dir), samples_per_shard, resumable=resumable, background=True,
-                         meta={**(meta or {}), "aux_layers": aux_layers,
-                               "hidden_size": model_text_config(model).hidden_size, "dtype": dtype})
+                         meta={**(meta or {}), "aux_layers": aux_layers, "hidden_size": hidden_size, "dtype": dtype})
     done = writer.samples_done
     if done:
         print(f"{desc}: resuming after {done} of {len(samples)} samples (complete shards kept)", flush=True)
     sink = _BatchWriter(writer, samples, int(max_nonfinite_fraction * len(samples)), max_nonfinite_fraction)
     start, tokens = time.perf_counter(), 0
     try:
-        with capture(model, aux_layers) as hooks, progress(len(samples), desc, "sample", initial=done) as bar:
+        with progress(len(samples), desc, "sample", initial=done) as bar:
             for first in range(done, len(order), batch_size):
                 rows = order[first : first + batch_size]
                 lengths = [len(samples[i]["input_ids"]) for i in rows]
                 ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
                 for r, i in enumerate(rows):
                     ids[r, : lengths[r]] = torch.tensor(samples[i]["input_ids"])
-                mask = torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]  # [B, T] real positions
-                # Known on the host, so packing needs no sync with the device: the CPU queues batch i+1's
-                # forward while the device still runs batch i's.
-                positions = mask.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)  # [sum(lengths)]
-                mask_on_device = mask.to(device, non_blocking=True)
-                padded = min(lengths) < ids.shape[1]  # without padding, no mask: the plain causal kernel
-                model(input_ids=ids.to(device, non_blocking=True),
-                      attention_mask=mask_on_device.long() if padded else None, use_cache=False, logits_to_keep=1)
-                # Only the real positions are stored, packed sample after sample: [sum(lengths), 3H], [.., H]
-                aux = hooks.aux().flatten(0, 1).index_select(0, positions)
-                final = hooks.final().flatten(0, 1).index_select(0, positions)
+                aux, final = forward(ids, lengths)
                 states = {**encode("aux_hidden", aux, len(aux_layers), dtype),
                           **encode("final_hidden", final, 1, dtype)}  # in FP8 with their scales
                 finite = finite_positions(states)  # [sum(lengths)]

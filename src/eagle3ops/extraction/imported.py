@@ -116,6 +116,13 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def from_engine_slots(hidden: torch.Tensor, layout: TargetLayout, norm: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's captured slots [T, 4, H] (the aux layers low to high, then the last layer's output) -> aux [T, 3H] in
+    the configured layer order, and the final normed state [T, H] float32."""
+    return hidden[:, layout.slot_order].flatten(1), rms_norm(hidden[:, -1], norm, layout.rms_norm_eps)
+
+
 def _numbered(paths: Iterator[Path], pattern: re.Pattern) -> list[Path]:
     """The files whose names fit `pattern`, ordered by the sample index it captures."""
     found = [(int(match.group(1)), path) for path in paths if (match := pattern.fullmatch(path.name))]
@@ -172,8 +179,7 @@ class SpeculatorsFiles:
             self._norm = final_norm_weight(self.layout.path)
         with self._open(path) as handle:
             ids, hidden = handle.get_tensor("token_ids"), handle.get_tensor("hidden_states")  # [T], [T, 4, H]
-        aux = hidden[:, self.layout.slot_order].flatten(1)
-        return ids, aux, rms_norm(hidden[:, -1], self._norm, self.layout.rms_norm_eps)
+        return ids, *from_engine_slots(hidden, self.layout, self._norm)
 
 
 class SpecForgeFiles:

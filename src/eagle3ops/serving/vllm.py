@@ -13,6 +13,12 @@ How the server runs (params.yaml `vllm`, none of it in the lineage): the target'
 (vLLM's `--dtype auto` serves a float32 model in bf16); on a CPU eager mode (compiling costs about 90 s a
 start), the worker inside the engine process, and the KV cache sized by VLLM_CPU_KVCACHE_SPACE (vLLM's own
 default asks for more than a 24 GB machine has); loopback only.
+
+Capturing hidden states (`capture`): the speculative method `extract_hidden_states` stores the requested layers'
+states of every prompt position in a cache beside the KV cache, and a KV connector writes each finished request's
+as `<directory>/<request id>.safetensors`, the path in the response's `kv_transfer_params` (extraction/vllm.py
+reads them). The connector is vLLM's own, with a host copy for an engine on the CPU
+(serving/hidden_states_connector.py). Prefix caching is off then: a prefix served from the cache is not run again.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -101,16 +108,28 @@ def kv_cache_gib(settings: VllmConfig) -> float:
     return float(min(8, max(1, int(available / 10))))
 
 
+@dataclass(frozen=True)
+class Capture:
+    """Hidden states a server writes for every request: vLLM's layer ids (id i is the input of decoder layer i,
+    id N the last layer's output before the final norm), as files under `directory`."""
+    layer_ids: list[int]
+    directory: Path
+
+
 def serve_argv(model: str | Path, dtype: str, settings: VllmConfig, port: int, seed: int = 0,
-               drafter: str | Path | None = None, k: int = 3, python: str = sys.executable) -> list[str]:
+               drafter: str | Path | None = None, k: int = 3, python: str = sys.executable,
+               capture: Capture | None = None) -> list[str]:
     """The server's command line. `model`: the target, or a speculators export (vLLM reads the target from its
-    verifier); `drafter`: an EAGLE-3 drafter served beside the target, drafting `k` tokens a step."""
+    verifier); `drafter`: an EAGLE-3 drafter served beside the target, drafting `k` tokens a step; `capture`: the
+    hidden states it writes instead (no drafter then)."""
     eager = settings.enforce_eager if settings.enforce_eager is not None else not on_gpu()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
             "--host", "127.0.0.1", "--port", str(port), "--seed", str(seed)]
     if drafter is not None:
         spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if capture is not None:
+        argv += _capture_argv(capture)
     if eager:
         argv.append("--enforce-eager")
     if settings.max_model_len is not None:
@@ -121,6 +140,16 @@ def serve_argv(model: str | Path, dtype: str, settings: VllmConfig, port: int, s
     else:  # the worker inside the engine process: one Python process fewer to start (38 s -> 25 s on 2 cores)
         argv += ["--distributed-executor-backend", "uni"]
     return argv + list(settings.extra_args)
+
+
+def _capture_argv(capture: Capture) -> list[str]:
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture.layer_ids}}}
+    connector = {"kv_connector": "HostHiddenStatesConnector",
+                 "kv_connector_module_path": "eagle3ops.serving.hidden_states_connector", "kv_role": "kv_producer",
+                 "kv_connector_extra_config": {"shared_storage_path": str(Path(capture.directory).resolve())}}
+    return ["--speculative-config", json.dumps(spec, separators=(",", ":")),
+            "--kv-transfer-config", json.dumps(connector, separators=(",", ":")), "--no-enable-prefix-caching"]
 
 
 def serve_env(settings: VllmConfig) -> dict[str, str]:
@@ -151,16 +180,17 @@ def printed_command(model: str | Path, dtype: str, settings: VllmConfig, drafter
 @contextmanager
 def vllm_server(model: str | Path, dtype: str, settings: VllmConfig, log_name: str, seed: int = 0,
                 drafter: str | Path | None = None, k: int = 3, chat_template: str | None = None,
-                cwd: str | Path | None = None) -> Iterator[str]:
+                cwd: str | Path | None = None, capture: Capture | None = None) -> Iterator[str]:
     """A vLLM server for `model` (with `drafter`, when given) on a free loopback port until the block ends;
     yields its base URL (http://127.0.0.1:PORT). Its log: .eagle3ops/logs/vllm-<log_name>.log. `chat_template`:
-    the template's text, served instead of the tokenizer's own (target.chat_template); `cwd`: where it runs."""
+    the template's text, served instead of the tokenizer's own (target.chat_template); `cwd`: where it runs;
+    `capture`: the hidden states it writes."""
     version = installed_version()
     port = free_port()
     log = (LOG_DIR / f"vllm-{log_name}.log").resolve()
     print(f"vllm: starting vLLM {version} for {model}" + (f" with the drafter {drafter}" if drafter else "")
           + f" (log {log})", flush=True)
-    argv = serve_argv(model, dtype, settings, port, seed, drafter, k)
+    argv = serve_argv(model, dtype, settings, port, seed, drafter, k, capture=capture)
     if chat_template is not None:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         template = (LOG_DIR / f"vllm-{log_name}.jinja").resolve()

@@ -1,7 +1,8 @@
 """Stage `extract`: the drafter's inputs for the prepared samples, in shards.
 
-extract.backend hf runs the target over the prepared samples (extraction/hf.py); import takes the hidden states a
-serving engine extracted with speculators or SpecForge (extraction/imported.py). Both write the same shards.
+extract.backend hf runs the target over the prepared samples (extraction/hf.py); vllm has a vLLM server of the target
+capture them (extraction/vllm.py); import takes the hidden states a serving engine extracted with speculators or
+SpecForge (extraction/imported.py). All three write the same shards.
 
 Resumable: shards are built under `.eagle3ops/resume/` (keyed by params and input md5s, see resume.py); a run
 killed midway keeps its complete shards and the next run continues after them. The finished directory is
@@ -9,6 +10,7 @@ moved to `extract.out_dir` only at the end.
 """
 import shutil
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 from eagle3ops.config import Config
@@ -16,8 +18,10 @@ from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import MANIFEST, read_manifest
 from eagle3ops.extraction.hf import ExtractResult, extract_features
 from eagle3ops.extraction.imported import checkpoint_size, import_features, open_source, plan_import, target_layout
+from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids, extract_features_vllm
 from eagle3ops.modeling.target import load_target, model_size, model_text_config, resolve_aux_layers
 from eagle3ops.resume import resume_point
+from eagle3ops.serving.vllm import Capture, vllm_server
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
@@ -31,7 +35,8 @@ def run(cfg: Config) -> None:
     inputs = [prepared, cfg.target.path, *([cfg.extract.import_dir] if importing else [])]
     with stage_run(cfg, "extract", inputs=inputs, extra_params=identity_params(cfg.target)) as tracked:
         work = resume_point("extract", {"params": cfg.stage_digest(), "inputs": tracked.input_md5s}).path.with_suffix("")
-        counters = (_import if importing else _extract)(cfg, prepared, work, tracked)
+        produce = {"hf": _extract, "vllm": _extract_vllm, "import": _import}[str(cfg.extract.backend)]
+        counters = produce(cfg, prepared, work, tracked)
         out = Path(cfg.extract.out_dir)
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +57,26 @@ def _extract(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
             desc=f"extract {split}", resumable=True, max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction))
     tracked.set_tags({"eagle3ops.aux_layers": str(aux_layers)})
     return {**model_size(model), **counters}
+
+
+def _extract_vllm(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
+    layout = target_layout(cfg.target)
+    capture = Capture(capture_layer_ids(layout), work / "captured")  # each request's file, deleted once read
+    with tracked.phase("load"):  # the server's start: the engine loading the target
+        server = ExitStack()
+        url = server.enter_context(vllm_server(cfg.target.path, cfg.target.dtype, cfg.vllm, "extract",
+                                               capture=capture))
+    with server, tracked.phase("extract"):
+        states = EngineStates(url, layout)
+        counters = _each_split(work, lambda split: extract_features_vllm(
+            states, read_tokenized(prepared / split), work / split, cfg.extract.batch_size,
+            cfg.extract.samples_per_shard, cfg.extract.dtype, meta={"target": cfg.target.path, "split": split},
+            desc=f"extract {split} on vLLM", resumable=True,
+            max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction))
+    shutil.rmtree(capture.directory, ignore_errors=True)
+    tracked.set_tags({"eagle3ops.aux_layers": str(layout.aux_layers),
+                      "eagle3ops.extract.vllm_layer_ids": str(capture.layer_ids)})
+    return {**checkpoint_size(cfg.target.path), **counters}
 
 
 def _import(cfg: Config, prepared: Path, work: Path, tracked) -> dict:

@@ -9,7 +9,7 @@ to MLflow and writes the resume points, the drafter, metrics and plots.
 """
 import tempfile
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import pandas as pd
@@ -18,8 +18,11 @@ from eagle3ops.config import Config
 from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
 from eagle3ops.data.vocab import read_vocab_map
+from eagle3ops.decoding.served import WORK_DIR
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.errors import InputError
+from eagle3ops.extraction.imported import target_layout
+from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.modeling.target import (
@@ -32,6 +35,7 @@ from eagle3ops.modeling.target import (
     resolve_device,
 )
 from eagle3ops.resume import resume_point
+from eagle3ops.serving.vllm import Capture, vllm_server
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, destination, record
 from eagle3ops.tracking.run import stage_run
@@ -39,7 +43,7 @@ from eagle3ops.training import distributed
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import WarmStart, load_warm_start, new_drafter
 from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
-from eagle3ops.training.online import TargetStates, token_samples
+from eagle3ops.training.online import EngineTargetStates, TargetStates, token_samples
 from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 
@@ -58,18 +62,17 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         [cfg.train.warm_start] if init == "warm_start" else [])
     tracking = (stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target))
                 if world.main else nullcontext(distributed.Untracked()))
-    with tracking as tracked:
+    with tracking as tracked, ExitStack() as engine:
         if world.main:
-            tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states)})
+            tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states)
+                              + (f" ({cfg.train.online_engine})" if online else "")})
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
             if online:
-                target = load_target(cfg.target)
-                aux_layers = resolve_aux_layers(cfg.target.aux_layers, model_text_config(target).num_hidden_layers)
                 train_samples = token_samples(Path(cfg.prepare.out_dir) / "train")
                 eval_samples = token_samples(Path(cfg.prepare.out_dir) / "eval")
-                states = TargetStates(target, aux_layers, device, len(train_samples) + len(eval_samples),
-                                      cfg.extract.max_nonfinite_fraction)
+                states = _online_states(cfg, device, len(train_samples) + len(eval_samples), engine)
+                aux_layers = states.aux_layers
             else:
                 aux_layers = read_manifest(features / "train")["aux_layers"]
                 train_samples = load_feature_samples(features / "train", embedding.shape[1])
@@ -120,6 +123,23 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         })
 
 
+def _online_states(cfg: Config, device, samples: int, engine: ExitStack) -> TargetStates:
+    """The target beside the drafter, or a vLLM server capturing its states (the one at train.online_url, or one
+    started here and stopped when `engine` closes)."""
+    if cfg.train.online_engine == "hf":
+        target = load_target(cfg.target)
+        aux_layers = resolve_aux_layers(cfg.target.aux_layers, model_text_config(target).num_hidden_layers)
+        return TargetStates(target, aux_layers, device, samples, cfg.extract.max_nonfinite_fraction)
+    layout = target_layout(cfg.target)
+    url = cfg.train.online_url
+    if url is None:
+        WORK_DIR.mkdir(exist_ok=True)
+        captured = Path(engine.enter_context(tempfile.TemporaryDirectory(prefix="captured-", dir=WORK_DIR)))
+        url = engine.enter_context(vllm_server(cfg.target.path, cfg.target.dtype, cfg.vllm, "train-online", cfg.seed,
+                                               capture=Capture(capture_layer_ids(layout), captured)))
+    return EngineTargetStates(EngineStates(url, layout), device, samples, cfg.extract.max_nonfinite_fraction)
+
+
 def _simulator(cfg: Config, eval_samples: list[dict], online: TargetStates | None) -> Callable:
     """The acceptance simulator on the first held-out prompts: it needs the whole target beside training (online,
     the one already there, taken in turn with the thread that asks it for hidden states)."""
@@ -131,10 +151,11 @@ def _simulator(cfg: Config, eval_samples: list[dict], online: TargetStates | Non
                          f"assistant turn to measure acceptance on; raise data.eval_fraction or set "
                          f"train.simulate.every to 0")
     tokenizer = load_tokenizer(cfg.target)
-    simulator = AcceptanceSimulator(online.model if online else load_target(cfg.target), prompts,
+    in_process = online is not None and online.model is not None
+    simulator = AcceptanceSimulator(online.model if in_process else load_target(cfg.target), prompts,
                                     SpecSettings(k=simulate.k), simulate.max_new_tokens, {tokenizer.eos_token_id},
                                     cfg.seed)
-    if online is None:
+    if not in_process:
         return simulator
 
     def in_turn(draft):

@@ -164,7 +164,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         distributed.broadcast_from_main(weights.masters)  # DDP broadcasts the drafter's weights, not the masters
     start, resumed_at, probe_s, row_tokens, first_step_s = time.perf_counter(), (step, tokens), 0.0, 0, 0.0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
-    depth = assembly_depth(device)
+    depth = assembly_depth(device, remote_states=getattr(recipe.hidden_states, "remote", False))
     remaining = remaining_batches(batches, step, total_steps)
     rows_per_rank = math.ceil(optim.batch_size / world.size)
     make = functools.partial(_make_batch, recipe, world, rows_per_rank)
@@ -302,10 +302,11 @@ def seed_everything(seed: int) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def assembly_depth(device: torch.device) -> int:
-    """Batches a thread makes ahead: ASSEMBLED_AHEAD on a GPU; none on a CPU, where its ops would fight the step's
-    for the same cores."""
-    return ASSEMBLED_AHEAD if device.type == "cuda" else 0
+def assembly_depth(device: torch.device, remote_states: bool = False) -> int:
+    """Batches a thread makes ahead: ASSEMBLED_AHEAD on a GPU, or where an engine elsewhere computes the hidden
+    states (the thread mostly waits for it); none otherwise on a CPU, where its ops would fight the step's for the
+    same cores."""
+    return ASSEMBLED_AHEAD if device.type == "cuda" or remote_states else 0
 
 
 def _make_batch(recipe: Recipe, world: World | None, row_count: int, batch: list[list[dict]]

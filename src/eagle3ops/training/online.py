@@ -12,11 +12,17 @@ the first batch, before its step. The training loop asks for each batch's states
 batches ahead (training/data.py, `assembled_ahead`): a bounded queue, so a target on other GPUs (target.device_map)
 computes batch i+1 while the drafter trains on batch i, and one on the drafter's GPU has its kernels queued
 ahead. On a CPU both run in turn.
+
+train.online_engine vllm takes the states from a vLLM server instead (EngineTargetStates: the one at
+train.online_url, or one the stage starts): the engine that already shards a target too large for this process,
+each document a request of its own; the samples, their order and packing, the resume points and the NaN handling
+are the same, and batches are assembled ahead (the bounded queue) whatever the training device.
 """
 from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,6 +30,7 @@ import torch
 from eagle3ops.data.prepare import extraction_order
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.errors import InputError
+from eagle3ops.extraction.vllm import EngineStates
 from eagle3ops.modeling.draft import document_ids
 from eagle3ops.modeling.target import capture
 
@@ -46,6 +53,7 @@ class TargetStates:
 
     A document whose states hold a NaN or inf gets zero states and no counted position (offline, the extract stage
     leaves such a sample out); more such samples than `max_nonfinite_fraction` of them stops training."""
+    remote = False  # the target runs in this process, on the training device's cores or GPUs
 
     def __init__(self, model, aux_layers: list[int], device: torch.device, samples: int,
                  max_nonfinite_fraction: float):
@@ -72,6 +80,11 @@ class TargetStates:
         finite = aux.isfinite().all(-1) & final.isfinite().all(-1)  # [R, T]
         if not bool(finite.all()):  # waits for the target, on the thread that assembles batches ahead
             aux, final, finite = self._rows_again_document_by_document(rows, batch, aux, final, finite.all(-1))
+        return self._with_states(rows, batch, aux, final, finite)
+
+    def _with_states(self, rows: list[list[dict]], batch: dict[str, torch.Tensor], aux: torch.Tensor,
+                     final: torch.Tensor, finite: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch with its states; a document with a NaN/inf gets zeros and no counted position."""
         if not bool(finite.all()):
             documents = document_ids(batch["positions"]) - 1  # [R, T], from 0
             dropped = self._drop_nonfinite(rows, documents, ~finite.cpu())  # [R, T]
@@ -116,6 +129,41 @@ class TargetStates:
                 f"extract.max_nonfinite_fraction={self.fraction}; check target.dtype (float16 overflows) and the "
                 f"weights")
         return hit.gather(1, documents).bool()
+
+
+class EngineTargetStates(TargetStates):
+    """TargetStates from a vLLM server that captures them (extraction/vllm.py): the train process holds no target.
+    Every document of a batch is a request of its own, all sent at once (the engine batches them), so packed
+    documents cannot see each other and need no check; a row's padded tail gets zeros."""
+    remote = True  # the engine works while the drafter trains: batches are assembled ahead, also on a CPU
+
+    def __init__(self, engine: EngineStates, device: torch.device, samples: int, max_nonfinite_fraction: float):
+        super().__init__(None, engine.layout.aux_layers, device, samples, max_nonfinite_fraction)
+        self.engine = engine
+        self.checked = True
+
+    def __call__(self, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        places = [(r, start, sample) for r, row in enumerate(rows)
+                  for start, sample in zip(_starts(row), row)]
+        with ThreadPoolExecutor(min(len(places), REQUESTS_IN_FLIGHT), thread_name_prefix="vllm-states") as pool:
+            states = self.engine.many([sample["input_ids"].tolist() for _, _, sample in places], pool)
+        rows_, length = batch["input_ids"].shape
+        aux = torch.zeros(rows_, length, states[0][0].shape[-1], dtype=states[0][0].dtype)  # [R, T, 3H]
+        final = torch.zeros(rows_, length, states[0][1].shape[-1], dtype=states[0][1].dtype)  # [R, T, H]
+        for (r, start, sample), (own_aux, own_final) in zip(places, states):
+            end = start + sample["input_ids"].shape[0]
+            aux[r, start:end], final[r, start:end] = own_aux, own_final
+        finite = aux.isfinite().all(-1) & final.isfinite().all(-1)  # [R, T]
+        return self._with_states(rows, batch, aux, final, finite)
+
+
+REQUESTS_IN_FLIGHT = 64  # at most; the engine's scheduler batches them as its KV cache allows
+
+
+def _starts(row: list[dict]) -> list[int]:
+    """Where each document of a packed row starts."""
+    lengths = [sample["input_ids"].shape[0] for sample in row]
+    return [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 def check_packed_attention(states: TargetStates, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> bool:
