@@ -328,7 +328,7 @@ def test_duplicates_and_missing_samples_are_refused(tmp_path, model, prepared, t
 
 
 @pytest.mark.parametrize(("extract", "key", "message"), [
-    ({"backend": "engine"}, "extract.backend", r"Invalid value 'engine', expected one of \[hf, import\]"),
+    ({"backend": "engine"}, "extract.backend", r"Invalid value 'engine', expected one of \[hf, vllm, import\]"),
     ({"backend": "import", "import_dir": None}, "extract.import_dir", "Incompatible value 'None' for field of type 'str'"),
     ({"backend": "import", "import_dir": "data/prepared"}, "extract.import_dir", "still names the prepared data"),
     ({"import_format": "eagle"}, "extract.import_format", r"Invalid value 'eagle', expected one of \[speculators"),
