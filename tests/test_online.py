@@ -81,6 +81,18 @@ def test_the_target_on_packed_rows_gives_each_sample_its_stored_states(samples):
         torch.testing.assert_close(out[name][real], reference[name][real], rtol=1e-5, atol=1e-5)
 
 
+def positions_of_documents_holding(token: int, rows, batch) -> torch.Tensor:
+    """[R, T]: True at every position of the packed documents that hold `token`."""
+    hit = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
+    for r, documents in enumerate(rows):
+        start = 0
+        for sample in documents:
+            length = sample["input_ids"].shape[0]
+            hit[r, start : start + length] = token in sample["input_ids"].tolist()
+            start += length
+    return hit
+
+
 def test_a_sample_with_nan_states_is_dropped_from_the_loss_and_counted(samples):
     """A NaN embedding row poisons the samples holding that token, and in attention it would reach every document
     of their packed row: the row is run again a document at a time, and only those samples lose their states and
@@ -95,13 +107,7 @@ def test_a_sample_with_nan_states_is_dropped_from_the_loss_and_counted(samples):
     states = TargetStates(poisoned_model, AUX, torch.device("cpu"), len(tokens), 1.0)
     clean = TargetStates(model, AUX, torch.device("cpu"), len(tokens), 0.5)(rows, batch)
     out = states(rows, batch)
-    hit = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)  # the documents that hold the token
-    for r, documents in enumerate(rows):
-        start = 0
-        for sample in documents:
-            length = sample["input_ids"].shape[0]
-            hit[r, start : start + length] = token in sample["input_ids"].tolist()
-            start += length
+    hit = positions_of_documents_holding(token, rows, batch)
     assert hit[row].any() and not out["loss_mask"][hit].any()
     assert torch.equal(out["loss_mask"][~hit], batch["loss_mask"][~hit])
     assert torch.isfinite(out["aux_hidden"]).all() and not out["aux_hidden"][hit].any()

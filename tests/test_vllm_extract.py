@@ -155,3 +155,85 @@ def test_online_training_fed_by_vllm_is_offline_training_on_vllms_states(vllm_fe
     assert metrics[online_root]["train_tokens"] == metrics[offline_root]["train_tokens"]
     assert metrics[online_root]["eval/loss"] == pytest.approx(metrics[offline_root]["eval/loss"], rel=1e-4)
     assert metrics[online_root]["skipped_nonfinite"] == 0
+
+
+def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturing, tiny_target_dir, tmp_path):
+    """A NaN embedding row in the served target poisons the documents holding that token, in vLLM as in the hooks:
+    online from the engine, only those documents lose their states and counted positions, the others keep the
+    clean server's, and past extract.max_nonfinite_fraction the stage stops."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3ops.errors import InputError
+    from eagle3ops.training.online import EngineTargetStates, token_samples
+    from test_online import packed_batch, positions_of_documents_holding
+
+    train_workspace(tmp_path / "ws", tiny_target_dir, online=True)
+    tokens = token_samples(tmp_path / "ws" / "data" / "prepared" / "eval")
+    rows, batch = packed_batch(tokens)
+    row = next(r for r, documents in enumerate(rows) if len(documents) > 2)
+    own = [set(sample["input_ids"].tolist()) for sample in rows[row]]
+    token = next(iter(own[1] - set().union(*own[:1], *own[2:])))  # in the second document of the row alone
+    poisoned_dir = tmp_path / "poisoned"
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    model.get_input_embeddings().weight.data[token] = float("nan")
+    model.save_pretrained(poisoned_dir)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(poisoned_dir)
+
+    url, layout, _ = capturing
+    clean = EngineTargetStates(EngineStates(url, layout), torch.device("cpu"), len(tokens), 0.5)(rows, batch)
+    poisoned_layout = target_layout(TargetConfig(path=str(poisoned_dir), aux_layers=AUX))
+    with vllm_server(poisoned_dir, "float32", VllmConfig(), f"tests-poisoned-{os.getpid()}",
+                     capture=Capture(capture_layer_ids(poisoned_layout), tmp_path / "captured")) as poisoned_url:
+        states = EngineTargetStates(EngineStates(poisoned_url, poisoned_layout), torch.device("cpu"), len(tokens), 1.0)
+        out = states(rows, batch)
+        states.fraction = 0.0
+        with pytest.raises(InputError, match=r"\d+ of .* samples gave NaN/inf hidden states.*max_nonfinite_fraction"):
+            states(rows, batch)
+    hit = positions_of_documents_holding(token, rows, batch)
+    assert hit[row].any() and not out["loss_mask"][hit].any()
+    assert torch.equal(out["loss_mask"][~hit], batch["loss_mask"][~hit])
+    assert torch.isfinite(out["aux_hidden"]).all() and not out["aux_hidden"][hit].any()
+    real = batch["loss_mask"].bool() & ~hit
+    assert close(out["final_hidden"][real], clean["final_hidden"][real]) < TOLERANCE
+    assert len(states.nonfinite) == sum(token in s["input_ids"].tolist() for row in rows for s in row)
+
+
+def test_online_training_fed_by_vllm_resumes_after_sigkill(capturing, tiny_target_dir, tmp_path):
+    """Killed after a resume point and run again, online training from the engine continues from that point and
+    ends where an uninterrupted run ends, to the engine's rounding (vLLM's batching of the requests in flight
+    moves its results in the last bits, so not byte for byte)."""
+    import re
+    import signal
+    import time
+
+    from eagle3ops.resume import ResumePoint
+
+    def workspace(root: Path) -> dict:
+        env = train_workspace(root, tiny_target_dir, online=True)
+        set_params(root, train__optimizer="adamw", train__online_engine="vllm", train__online_url=capturing[0])
+        return env
+
+    def train(root: Path, env: dict) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=root,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_stage(reference, workspace(reference), "train", "--init", "scratch")
+    env = workspace(resumed)
+    child = train(resumed, env)
+    deadline = time.monotonic() + 300
+    while child.poll() is None and time.monotonic() < deadline:
+        points = list(resumed.glob(".eagle3ops/resume/train@scratch-*.pt"))
+        state = ResumePoint(points[0]).load() if points else None
+        if state is not None and state["step"] >= 20:
+            child.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    printed = run_stage(resumed, env, "train", "--init", "scratch")
+    assert int(re.search(r"train@scratch: resuming at step (\d+)", printed).group(1)) >= 20
+    ours, theirs = (pd.read_csv(root / "plots/train-scratch.csv") for root in (resumed, reference))
+    assert list(ours["step"]) == list(theirs["step"])
+    assert ours["train/loss"].tolist() == pytest.approx(theirs["train/loss"].tolist(), rel=1e-4)
+    assert not list(resumed.glob(".eagle3ops/resume/train@scratch-*"))
