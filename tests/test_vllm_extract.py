@@ -155,6 +155,11 @@ def test_online_training_fed_by_vllm_is_offline_training_on_vllms_states(vllm_fe
     assert metrics[online_root]["train_tokens"] == metrics[offline_root]["train_tokens"]
     assert metrics[online_root]["eval/loss"] == pytest.approx(metrics[offline_root]["eval/loss"], rel=1e-4)
     assert metrics[online_root]["skipped_nonfinite"] == 0
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{online_root / 'mlflow.db'}")
+    run = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`eagle3ops.online_engine` = 'vllm'")
+    assert len(run) == 1 and run["tags.eagle3ops.hidden_states"][0] == "online"
 
 
 def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturing, tiny_target_dir, tmp_path):

@@ -64,8 +64,8 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
                 if world.main else nullcontext(distributed.Untracked()))
     with tracking as tracked, ExitStack() as engine:
         if world.main:
-            tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states)
-                              + (f" ({cfg.train.online_engine})" if online else "")})
+            tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states),
+                              **({"eagle3ops.online_engine": str(cfg.train.online_engine)} if online else {})})
         with tracked.phase("load"):
             embedding, lm_head = load_embedding_and_head(cfg.target.path)
             if online:
