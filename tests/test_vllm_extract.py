@@ -191,6 +191,9 @@ def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturin
                      capture=Capture(capture_layer_ids(poisoned_layout), tmp_path / "captured")) as poisoned_url:
         states = EngineTargetStates(EngineStates(poisoned_url, poisoned_layout), torch.device("cpu"), len(tokens), 1.0)
         out = states(rows, batch)
+        # counted now: the engine reuses the poisoned requests' KV blocks without zeroing them, and a NaN left in
+        # a block reaches the later requests that get it (a masked score times NaN), so a second pass poisons more
+        dropped = len(states.nonfinite)
         states.fraction = 0.0
         with pytest.raises(InputError, match=r"\d+ of .* samples gave NaN/inf hidden states.*max_nonfinite_fraction"):
             states(rows, batch)
@@ -200,7 +203,7 @@ def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturin
     assert torch.isfinite(out["aux_hidden"]).all() and not out["aux_hidden"][hit].any()
     real = batch["loss_mask"].bool() & ~hit
     assert close(out["final_hidden"][real], clean["final_hidden"][real]) < TOLERANCE
-    assert len(states.nonfinite) == sum(token in s["input_ids"].tolist() for row in rows for s in row)
+    assert dropped == sum(token in s["input_ids"].tolist() for row in rows for s in row)
 
 
 def test_online_training_fed_by_vllm_resumes_after_sigkill(capturing, tiny_target_dir, tmp_path):
