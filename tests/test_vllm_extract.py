@@ -18,9 +18,8 @@ from omegaconf import OmegaConf
 from eagle3ops.config import TargetConfig, VllmConfig
 from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.extraction.imported import target_layout
-from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids, read_captured
+from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids, capturing_server, read_captured
 from eagle3ops.serving.http import EngineError, fetch_json, served_model
-from eagle3ops.serving.vllm import Capture, vllm_server
 from test_resume import train_workspace
 
 AUX = [1, 2, 3]
@@ -30,11 +29,10 @@ TOLERANCE = 1e-4  # of a state's largest magnitude
 @pytest.fixture(scope="module")
 def capturing(tiny_target_dir, tmp_path_factory):
     """A vLLM server of the tiny target that captures the aux layers and the last layer; (url, layout, directory)."""
-    layout = target_layout(TargetConfig(path=str(tiny_target_dir), aux_layers=AUX))
     directory = tmp_path_factory.mktemp("captured")
-    with vllm_server(tiny_target_dir, "float32", VllmConfig(), f"tests-capture-{os.getpid()}",
-                     capture=Capture(capture_layer_ids(layout), directory)) as url:
-        yield url, layout, directory
+    with capturing_server(TargetConfig(path=str(tiny_target_dir), aux_layers=AUX, dtype="float32"), VllmConfig(),
+                          f"tests-capture-{os.getpid()}", directory) as states:
+        yield states.url, states.layout, directory
 
 
 def close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -186,10 +184,9 @@ def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturin
 
     url, layout, _ = capturing
     clean = EngineTargetStates(EngineStates(url, layout), torch.device("cpu"), len(tokens), 0.5)(rows, batch)
-    poisoned_layout = target_layout(TargetConfig(path=str(poisoned_dir), aux_layers=AUX))
-    with vllm_server(poisoned_dir, "float32", VllmConfig(), f"tests-poisoned-{os.getpid()}",
-                     capture=Capture(capture_layer_ids(poisoned_layout), tmp_path / "captured")) as poisoned_url:
-        states = EngineTargetStates(EngineStates(poisoned_url, poisoned_layout), torch.device("cpu"), len(tokens), 1.0)
+    with capturing_server(TargetConfig(path=str(poisoned_dir), aux_layers=AUX, dtype="float32"), VllmConfig(),
+                          f"tests-poisoned-{os.getpid()}", tmp_path / "captured") as poisoned:
+        states = EngineTargetStates(poisoned, torch.device("cpu"), len(tokens), 1.0)
         out = states(rows, batch)
         # counted now: the engine reuses the poisoned requests' KV blocks without zeroing them, and a NaN left in
         # a block reaches the later requests that get it (a masked score times NaN), so a second pass poisons more

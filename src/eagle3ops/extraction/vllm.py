@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from eagle3ops.config import TargetConfig, VllmConfig
 from eagle3ops.extraction.hf import ExtractResult, write_features
-from eagle3ops.extraction.imported import TargetLayout, final_norm_weight, from_engine_slots
+from eagle3ops.extraction.imported import TargetLayout, final_norm_weight, from_engine_slots, target_layout
 from eagle3ops.serving.http import EngineError, fetch_json, served_model
+from eagle3ops.serving.vllm import Capture, vllm_server
 
 
 def capture_layer_ids(layout: TargetLayout) -> list[int]:
@@ -70,8 +74,20 @@ class EngineStates:
         return list(pool.map(self, sequences))
 
 
+@contextmanager
+def capturing_server(target: TargetConfig, settings: VllmConfig, log_name: str, directory: Path
+                     ) -> Iterator[EngineStates]:
+    """A vLLM server of `target` (in its own dtype, the `vllm` settings) that captures into `directory`, until the
+    block ends; yields the EngineStates that reads it."""
+    layout = target_layout(target)
+    with vllm_server(target.path, target.dtype, settings, log_name,
+                     capture=Capture(capture_layer_ids(layout), directory)) as url:
+        yield EngineStates(url, layout)
+
+
 def read_captured(path: Path) -> dict[str, torch.Tensor]:
-    """The connector holds `<path>.lock` exclusively until the file is written: a shared lock waits for that."""
+    """The connector holds `<path>.lock` exclusively until the file is written: a shared lock waits for that.
+    (vLLM's own load_hidden_states does the same, but would make the train process import vLLM.)"""
     lock = Path(f"{path}.lock")
     try:
         with open(lock) as handle:

@@ -18,10 +18,9 @@ from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import MANIFEST, read_manifest
 from eagle3ops.extraction.hf import ExtractResult, extract_features
 from eagle3ops.extraction.imported import checkpoint_size, import_features, open_source, plan_import, target_layout
-from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids, extract_features_vllm
+from eagle3ops.extraction.vllm import capture_layer_ids, capturing_server, extract_features_vllm
 from eagle3ops.modeling.target import load_target, model_size, model_text_config, resolve_aux_layers
 from eagle3ops.resume import resume_point
-from eagle3ops.serving.vllm import Capture, vllm_server
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
@@ -60,22 +59,19 @@ def _extract(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
 
 
 def _extract_vllm(cfg: Config, prepared: Path, work: Path, tracked) -> dict:
-    layout = target_layout(cfg.target)
-    capture = Capture(capture_layer_ids(layout), work / "captured")  # each request's file, deleted once read
-    with tracked.phase("load"):  # the server's start: the engine loading the target
-        server = ExitStack()
-        url = server.enter_context(vllm_server(cfg.target.path, cfg.target.dtype, cfg.vllm, "extract",
-                                               capture=capture))
-    with server, tracked.phase("extract"):
-        states = EngineStates(url, layout)
-        counters = _each_split(work, lambda split: extract_features_vllm(
-            states, read_tokenized(prepared / split), work / split, cfg.extract.batch_size,
-            cfg.extract.samples_per_shard, cfg.extract.dtype, meta={"target": cfg.target.path, "split": split},
-            desc=f"extract {split} on vLLM", resumable=True,
-            max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction))
-    shutil.rmtree(capture.directory, ignore_errors=True)
-    tracked.set_tags({"eagle3ops.aux_layers": str(layout.aux_layers),
-                      "eagle3ops.extract.vllm_layer_ids": str(capture.layer_ids)})
+    captured = work / "captured"  # each request's file, deleted once read
+    with ExitStack() as server:
+        with tracked.phase("load"):  # the server's start: the engine loading the target
+            states = server.enter_context(capturing_server(cfg.target, cfg.vllm, "extract", captured))
+        with tracked.phase("extract"):
+            counters = _each_split(work, lambda split: extract_features_vllm(
+                states, read_tokenized(prepared / split), work / split, cfg.extract.batch_size,
+                cfg.extract.samples_per_shard, cfg.extract.dtype, meta={"target": cfg.target.path, "split": split},
+                desc=f"extract {split} on vLLM", resumable=True,
+                max_nonfinite_fraction=cfg.extract.max_nonfinite_fraction))
+    shutil.rmtree(captured, ignore_errors=True)
+    tracked.set_tags({"eagle3ops.aux_layers": str(states.layout.aux_layers),
+                      "eagle3ops.extract.vllm_layer_ids": str(capture_layer_ids(states.layout))})
     return {**checkpoint_size(cfg.target.path), **counters}
 
 

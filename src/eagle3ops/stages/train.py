@@ -22,7 +22,7 @@ from eagle3ops.decoding.served import WORK_DIR
 from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.imported import target_layout
-from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids
+from eagle3ops.extraction.vllm import EngineStates, capturing_server
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.modeling.target import (
@@ -35,7 +35,6 @@ from eagle3ops.modeling.target import (
     resolve_device,
 )
 from eagle3ops.resume import resume_point
-from eagle3ops.serving.vllm import Capture, vllm_server
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, destination, record
 from eagle3ops.tracking.run import stage_run
@@ -130,14 +129,13 @@ def _online_states(cfg: Config, device, samples: int, engine: ExitStack) -> Targ
         target = load_target(cfg.target)
         aux_layers = resolve_aux_layers(cfg.target.aux_layers, model_text_config(target).num_hidden_layers)
         return TargetStates(target, aux_layers, device, samples, cfg.extract.max_nonfinite_fraction)
-    layout = target_layout(cfg.target)
-    url = cfg.train.online_url
-    if url is None:
+    if cfg.train.online_url is not None:
+        engine_states = EngineStates(cfg.train.online_url, target_layout(cfg.target))
+    else:
         WORK_DIR.mkdir(exist_ok=True)
         captured = Path(engine.enter_context(tempfile.TemporaryDirectory(prefix="captured-", dir=WORK_DIR)))
-        url = engine.enter_context(vllm_server(cfg.target.path, cfg.target.dtype, cfg.vllm, "train-online", cfg.seed,
-                                               capture=Capture(capture_layer_ids(layout), captured)))
-    return EngineTargetStates(EngineStates(url, layout), device, samples, cfg.extract.max_nonfinite_fraction)
+        engine_states = engine.enter_context(capturing_server(cfg.target, cfg.vllm, "train-online", captured))
+    return EngineTargetStates(engine_states, device, samples, cfg.extract.max_nonfinite_fraction)
 
 
 def _simulator(cfg: Config, eval_samples: list[dict], online: TargetStates | None) -> Callable:
