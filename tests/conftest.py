@@ -1,55 +1,56 @@
-"""Shared fixtures: a tiny BPE tokenizer with the Kimi-style chat template and a tiny random Llama target; the
-micro pipeline (the whole DVC lineage in minutes) in a temporary git repository."""
+"""Fixtures (a tiny BPE tokenizer with the Kimi-style chat template, a tiny random Llama target, a vLLM server of
+it) and the two tiers.
+
+The fast tier is the default: `pytest` leaves out every test marked with one of SLOW_TIER (it starts a service,
+runs the pipeline or a stage as subprocesses, or starts several processes) and says so at the end.
+`pytest --all` runs everything, as CI does (`.ci/run`); `-m` picks tests by marker as usual."""
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import subprocess
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-# A few dozen short strings: enough for BPE to learn some merges, small enough to train in well under a second.
-TEXTS = [
-    f"{subject} {verb} the {thing} number {i}. Hello world, how are you today? The answer is {i * 7}."
-    for i, (subject, verb, thing) in enumerate(
-        (s, v, t)
-        for s in ("The fox", "A user", "The assistant")
-        for v in ("jumps over", "thinks about", "writes")
-        for t in ("lazy dog", "question", "code")
-    )
-] + [
-    "<think>Let me think step by step.</think> The result is 42.",
-    "def add(a, b):\n    return a + b\n",
-    "You are a helpful assistant. Answer briefly.",
-    "system user assistant",
-]
+from helpers import TEXTS
+
+SLOW_TIER = {
+    "service": "starts a real server (vLLM, mlflow server, PostgreSQL, sshd, S3, transformers serve)",
+    "pipeline": "runs the DVC pipeline or a stage as subprocesses (minutes)",
+    "processes": "starts several processes (torchrun ranks, a stage SIGKILLed and resumed)",
+}
 
 
-# What a stage reads from its environment: tests start without any of it from the outside.
-OUTSIDE_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_RUN_ID",
-               "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME")
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true",
+                     help="run every test, the slow tier too (" + ", ".join(SLOW_TIER) + " markers): what CI runs")
 
 
-def isolate(monkeypatch: pytest.MonkeyPatch, root: Path, tracking_uri: str | None = None) -> str:
-    """Work in `root` with no DVC/MLflow variables from outside and a tracking store of its own
-    (sqlite in `root` unless `tracking_uri` names one); returns the store's URI."""
-    monkeypatch.chdir(root)
-    for name in OUTSIDE_ENV:
-        monkeypatch.delenv(name, raising=False)
-    uri = tracking_uri or f"sqlite:///{root}/mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+def pytest_configure(config: pytest.Config) -> None:
+    for marker, what in SLOW_TIER.items():
+        config.addinivalue_line("markers", f"{marker}: {what}; left out of the default run, `pytest --all` runs it")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--all") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if any(item.get_closest_marker(marker) for marker in SLOW_TIER)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        left_out = set(slow)
+        items[:] = [item for item in items if item not in left_out]
+        config.stash[_LEFT_OUT] = len(slow)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"fast tier: {left_out} slower tests left out (markers {', '.join(SLOW_TIER)}); "
+            "`pytest --all` runs everything, as CI does", yellow=True)
 
 
 @pytest.fixture
@@ -63,35 +64,6 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
-
-def wait_for_http(url: str, server: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
-    """Poll `url` until it answers (any HTTP status); fail at once if `server`, the process meant to serve it,
-    has exited, and after `timeout_s` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server is not None and server.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with {server.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
-
-
-@contextmanager
-def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    """A real HTTP server on 127.0.0.1 (a free port) answering with `handler`; yields its base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="session")
@@ -138,83 +110,3 @@ def vllm_tiny_target(tiny_target_dir) -> Iterator[str]:
 
 
 # The micro pipeline: the project's dvc.yaml on params small enough for the whole lineage to run in a few minutes
-# on 2 cores (tests/test_pipeline_e2e.py, tests/test_dvc_remotes.py, tests/test_tracking_server.py).
-ROOT = Path(__file__).resolve().parents[1]
-MICRO = [
-    "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
-    "zoo.drafter_conversations=64", "zoo.predecessor_training.steps=40", "zoo.successor_training.steps=20",
-    "zoo.drafter_training.epochs=1", "zoo.drafter_training.max_steps=8", "generate.max_new_tokens=48",
-    "train.epochs=1", "train.max_steps=12", "train.log_every=2", "eval.max_new_tokens=24",
-    # AdamW: the online run is held to the offline one to 1e-6, and Muon orthogonalises each step in bf16, which
-    # turns the two paths' float32 rounding into bf16's
-    "train.optimizer=adamw",
-    # 8 prompts of 24 tokens: about 150 verification steps, so one near-tie that vLLM's batching (8 requests in
-    # flight, batched differently run to run) rounds the other way moves an a_i by 0.007
-    "eval.engine_tolerance=0.1",
-]
-
-
-def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fail: bool = False) -> str:
-    """Run `cmd` with this venv's `dvc` and `eagle3ops` first on PATH and no tracking URI from outside; `env`
-    sets variables (None removes one). Returns stdout + stderr; the test fails unless it exits 0 (with `fail`:
-    unless it fails)."""
-    full = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    full.pop("MLFLOW_TRACKING_URI", None)
-    for name, value in (env or {}).items():
-        if value is None:
-            full.pop(name, None)
-        else:
-            full[name] = value
-    done = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=1200,
-                          stdin=subprocess.DEVNULL)
-    output = done.stdout + done.stderr
-    assert (done.returncode != 0) == fail, f"{' '.join(cmd)} exited {done.returncode}:\n{output[-8000:]}"
-    return output
-
-
-def ran_stages(output: str) -> list[str]:
-    """The stages a `dvc repro` / `dvc exp run` output says it ran, in order."""
-    return re.findall(r"Running stage '([^']+)'", output)
-
-
-# For suites about the lineage's storage and tracking, not the engine (tests/test_dvc_remotes.py,
-# tests/test_tracking_server.py): no vLLM server in eval or export, about 4 minutes less a pipeline run on 2 cores.
-WITHOUT_ENGINE = ["eval.engine=null", "export.serve=false"]
-
-
-def write_params(repo: Path, overrides: list[str]) -> None:
-    params = OmegaConf.merge(OmegaConf.load(ROOT / "params.yaml"), OmegaConf.from_dotlist(MICRO + overrides))
-    OmegaConf.save(params, repo / "params.yaml")
-
-
-def commit(repo: Path, message: str) -> None:
-    run(["git", "add", "-A"], repo)
-    run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", message], repo)
-
-
-def micro_pipeline_repo(repo: Path) -> Path:
-    """A git + DVC repository at `repo` as a fresh clone of the project would be (src/, dvc.yaml, .gitignore and
-    the tracked .dvc/config: default remote, cache link type), with the micro params, committed; nothing run."""
-    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for name in ("dvc.yaml", ".gitignore"):
-        shutil.copy(ROOT / name, repo / name)
-    write_params(repo, [])
-    run(["git", "init", "-q"], repo)
-    run(["dvc", "init", "-q"], repo)
-    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
-    commit(repo, "micro pipeline")
-    return repo
-
-
-def ttt_logits(draft, ids, aux, positions, steps: int, raise_positions: bool) -> list:
-    """The drafter's logits at each TTT step as ttt_loss runs them: step k reads x_{t+k+1} (ids holds x_{t+1} at
-    t), at the positions `positions`, or, raised, `positions` + k."""
-    from eagle3ops.modeling.draft import shift_left
-
-    hidden, context, outs = draft.fuse(aux), draft.ttt_context(positions, steps), []
-    for k in range(steps):
-        step_positions = positions + k if raise_positions else positions
-        hidden, logits, keys, values = draft(shift_left(ids, k), hidden, step_positions, context)
-        context = context.after(keys, values)
-        outs.append(logits)
-    return outs

@@ -34,7 +34,7 @@ from transformers import (
 )
 from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
-from conftest import TEXTS, isolate
+from helpers import TEXTS, isolate
 from eagle3ops.config import TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest

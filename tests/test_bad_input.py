@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import isolate
+from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.formats.specforge import CheckpointError, load_into, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft

@@ -19,7 +19,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import TEXTS
+from helpers import TEXTS
 from eagle3ops.config import TargetConfig
 from eagle3ops.data.chat import SHIPPED_TEMPLATES, ChatTemplateError, prompt_ids, render, tokenize_conversation
 from eagle3ops.modeling.target import load_tokenizer

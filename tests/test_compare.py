@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from conftest import isolate
+from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.runs.compare import (

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import OUTSIDE_ENV, isolate
+from helpers import OUTSIDE_ENV, isolate
 from eagle3ops import cli
 from eagle3ops.config import ConfigError, DrafterTrainConfig, TargetConfig, load_config
 from eagle3ops.data.prepare import write_tokenized
@@ -122,6 +122,7 @@ def _same_weights(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-4, msg=name)
 
 
+@pytest.mark.processes
 def test_two_gloo_ranks_train_like_one_process_and_resume(tmp_path, monkeypatch, one_thread):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
@@ -231,6 +232,7 @@ def _stage_workspace(root: Path, target_dir: Path) -> None:
                     "mlflow": {"system_metrics": False, "registered_model": None}}, root / "params.yaml")
 
 
+@pytest.mark.processes
 def test_train_stage_under_torchrun_writes_once_what_one_process_writes(tmp_path, tiny_target_dir, monkeypatch,
                                                                          one_thread):
     single, ranks = tmp_path / "single", tmp_path / "ranks"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ttt_logits
+from helpers import ttt_logits
 from eagle3ops.formats.specforge import load_drafter, read_weights, save_drafter
 from eagle3ops.modeling.draft import (
     DraftConfig,

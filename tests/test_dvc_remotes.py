@@ -27,10 +27,10 @@ import pytest
 import yaml
 from moto.server import ThreadedMotoServer
 
-from conftest import ROOT, WITHOUT_ENGINE, commit, micro_pipeline_repo, ran_stages, run, write_params
+from helpers import ROOT, WITHOUT_ENGINE, commit, micro_pipeline_repo, ran_stages, run, write_params
 from eagle3ops.serving.server import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.pipeline, pytest.mark.service]
 
 SSHD = Path("/usr/sbin/sshd")  # Debian's openssh-server
 # What could hand the commands credentials from outside: each test gives them only what it configures.

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import isolate, loopback_server
+from helpers import isolate, loopback_server
 from eagle3ops.config import Config, EvalConfig, PromptSetConfig, TargetConfig
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import EngineError, measure, parse_exposition, vllm_counters

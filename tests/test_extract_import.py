@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from conftest import isolate
+from helpers import isolate
 from eagle3ops.config import ConfigError, TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized, split, write_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest

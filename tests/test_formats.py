@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import isolate
+from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import ConfigError, load_config
 from eagle3ops.decoding.speculative import speculative_greedy, target_greedy
@@ -469,6 +469,7 @@ def test_cli_export_validate_import(ours, tmp_path, tiny_target_dir, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.service
 def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tmp_path, monkeypatch, capsys, vocab,
                                                                               tiny_target_dir):
     isolate(monkeypatch, tmp_path)

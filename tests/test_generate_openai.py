@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import isolate, loopback_server
+from helpers import isolate, loopback_server
 from eagle3ops.config import ConfigError, OpenAIEndpointConfig, load_config
 from eagle3ops.errors import InputError
 from eagle3ops.generation.openai import EndpointError, EndpointUnavailable, ResumeLog, regenerate_openai, with_reasoning
@@ -45,6 +45,7 @@ def served_target(vllm_tiny_target):
     return f"{vllm_tiny_target}/v1"
 
 
+@pytest.mark.service
 def test_every_turn_regenerated_in_order_conditioned_on_the_regenerated_ones(served_target, tiny_target_dir,
                                                                              tmp_path):
     from transformers import AutoTokenizer
@@ -78,12 +79,15 @@ def test_every_turn_regenerated_in_order_conditioned_on_the_regenerated_ones(ser
     assert concurrent == records
 
 
+@pytest.mark.service
 def test_a_model_the_server_does_not_serve_fails_fast_with_its_message(served_target, tmp_path):
     settings = OpenAIEndpointConfig(base_url=served_target, model="not-the-target", max_retries=5)
     with pytest.raises(EndpointError, match=r"conversation 'c00', turn 2: .*HTTP 404: .*not-the-target"):
         regenerate_openai(chats(1), settings, 8, 0.0, 0, tmp_path / "log.jsonl")
 
 
+@pytest.mark.service
+@pytest.mark.processes
 def test_stage_killed_midway_resumes_without_generating_anything_twice(served_target, tiny_target_dir, tmp_path,
                                                                         monkeypatch, capsys):
     """The stage runs in a process SIGKILLed after a few conversations are logged, then again in this one."""
@@ -129,6 +133,7 @@ def test_stage_killed_midway_resumes_without_generating_anything_twice(served_ta
     assert not list(tmp_path.glob(".eagle3ops/resume/generate-*"))
 
 
+@pytest.mark.service
 def test_backend_vllm_starts_and_stops_its_own_server_and_answers_as_a_running_one(served_target, tiny_target_dir,
                                                                                   tmp_path, monkeypatch):
     """generate.backend vllm: the stage starts vLLM on the target, in the target's dtype, regenerates through it as

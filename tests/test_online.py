@@ -11,7 +11,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import micro_pipeline_repo, run
+from helpers import micro_pipeline_repo, run
 from eagle3ops.config import ConfigError, TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.errors import InputError
@@ -24,6 +24,7 @@ from test_resume import ROOT, train_workspace
 AUX = [1, 2, 3]
 
 
+@pytest.mark.pipeline
 def test_online_training_runs_the_offline_run(tmp_path, tiny_target_dir):
     """The train stage on the tiny target, offline after the extract stage and online: the same loss curve, step
     for step, and the same held-out metrics (float32, to 1e-6)."""
@@ -142,6 +143,7 @@ def test_the_pipeline_keys_must_agree_with_the_mode(tmp_path):
     assert cfg.train.hidden_states == "online"
 
 
+@pytest.mark.pipeline
 def test_dvc_yaml_online_has_no_extract_stage_and_train_needs_no_features(tmp_path):
     """What DVC resolves from the project's dvc.yaml, offline and online: the stages and train's dependencies."""
     from omegaconf import OmegaConf

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import isolate, wait_for_http
+from helpers import isolate, wait_for_http
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.serving.server import free_port
@@ -56,6 +56,7 @@ def workspace(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.service
 def test_server_down_from_the_start(workspace, capsys):
     root, server, cfg = workspace
     with stage_run(cfg, "eval", variant="scratch") as run:  # nobody listens on the port yet
@@ -98,6 +99,7 @@ def test_a_refused_connection_is_unreachable_even_when_its_port_names_401(tmp_pa
     assert len(pending(tmp_path)) == 1
 
 
+@pytest.mark.service
 def test_server_goes_down_mid_run(workspace):
     root, server, cfg = workspace
     server.start()
@@ -118,6 +120,7 @@ def test_server_goes_down_mid_run(workspace):
     assert client.list_artifacts(run_id, "drafter")
 
 
+@pytest.mark.service
 def test_a_drafter_trained_and_evaluated_offline_is_logged_and_registered_by_sync(workspace):
     from test_registry import MEASURED, NAME, evaluated, trained
 
@@ -136,6 +139,7 @@ def test_a_drafter_trained_and_evaluated_offline_is_logged_and_registered_by_syn
     assert version.source == f"models:/{model.model_id}" and MEASURED.target in version.description
 
 
+@pytest.mark.service
 def test_records_carried_without_the_drafter_weights_upload_all_but_the_model(workspace, capsys):
     """Records brought from a machine that kept the weights to itself (bench/gpu_pipeline.sh packs them so): every
     run, metric and artifact is uploaded; the model is not logged, nor registered, and sync says why."""

@@ -94,7 +94,7 @@ def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypa
     """`eagle3ops report` in a project whose dvc.yaml writes the report's directory literally instead of through
     ${report.out_dir} and declares none of the report's own params: the stage's first read of report.out_dir stops
     it, naming the key."""
-    from conftest import isolate
+    from helpers import isolate
     from eagle3ops import cli
 
     isolate(monkeypatch, tmp_path)

@@ -22,7 +22,7 @@ import yaml
 from mlflow import MlflowClient
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
+from helpers import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.decoding.engines import vllm_counters
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.runs.records import find_pipelines
@@ -32,7 +32,7 @@ ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", 
               "eval@scratch", "eval@warm_start", "export", "report"]  # as DVC names them
 RECORDED = sorted(stage.removesuffix("@offline") for stage in ALL_STAGES)  # as the MLflow records name them
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.pipeline, pytest.mark.service]
 
 
 def lock_md5(repo: Path, stage: str, path: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import isolate
+from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.runs.projection import (

@@ -7,7 +7,7 @@ import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
 
-from conftest import isolate
+from helpers import isolate
 from eagle3ops.config import Config
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft

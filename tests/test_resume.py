@@ -58,6 +58,7 @@ def train(out: Path, resume: str, env: dict) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.processes
 def test_sigkilled_training_resumes_to_identical_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = train(tmp_path / "reference", "-", env)
@@ -132,6 +133,7 @@ def _manifests(root: Path) -> dict:
             for split in ("train", "eval")}
 
 
+@pytest.mark.processes
 def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_dir):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     env_ref = _extract_workspace(reference, tiny_target_dir)
@@ -169,6 +171,7 @@ def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_
     assert not list(resumed.glob(".eagle3ops/resume/extract-*"))  # the work directory became the output
 
 
+@pytest.mark.processes
 def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_target_dir):
     from omegaconf import OmegaConf
 
@@ -217,6 +220,7 @@ def test_sigkilled_generation_resumes_to_identical_conversations(tmp_path, tiny_
     assert 12 <= metrics["decode_steps"] <= 12 * 48
 
 
+@pytest.mark.processes
 def test_disk_full_during_extraction_then_resume(tmp_path, tiny_target_dir):
     """Shards go to a 1 MiB tmpfs: a clear error, no partial shard left, and after making room the run resumes."""
     root = tmp_path / "work"
@@ -266,6 +270,7 @@ def train_workspace(root: Path, target: Path, online: bool) -> dict:
     return env
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("hidden_states", ["offline", "online"])
 def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir, hidden_states):
     """The train stage itself (CLI, held to the project's dvc.yaml; offline after a real extract, online with the

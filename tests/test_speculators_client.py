@@ -15,7 +15,7 @@ import speculators.models.eagle3 as speculators  # the test extra installs it
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import ttt_logits
+from helpers import ttt_logits
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft

@@ -25,7 +25,7 @@ import pytest
 import requests
 import yaml
 
-from conftest import WITHOUT_ENGINE, commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
+from helpers import WITHOUT_ENGINE, commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.cli import main, parser
 from eagle3ops.config import Config
 from eagle3ops.serving.server import free_port
@@ -182,7 +182,8 @@ def values(run: dict, kind: str) -> dict[str, str]:
     return {item["key"]: item["value"] for item in run["data"].get(kind, [])}
 
 
-@pytest.mark.e2e
+@pytest.mark.service
+@pytest.mark.pipeline
 def test_the_pipeline_logs_to_the_team_server(pipeline, server, alice, postgres):
     repo, output = pipeline
     assert not pending(repo) and "MLflow unreachable" not in output  # nothing fell back to the outbox
@@ -221,6 +222,7 @@ def test_the_pipeline_logs_to_the_team_server(pipeline, server, alice, postgres)
     assert postgres.query(f"select username from users where username = '{USER}'") == [(USER,)]
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("who", ["nobody", "wrong password", "unknown user"])
 def test_wrong_credentials_are_refused(server, alice, who):
     auth = {"nobody": None, "wrong password": (alice[0], alice[1] + "x"), "unknown user": ("mallory", alice[1])}[who]
@@ -229,7 +231,8 @@ def test_wrong_credentials_are_refused(server, alice, who):
     assert server.get("experiments/get-by-name", {"experiment_name": "Default"}, alice).status_code == 200
 
 
-@pytest.mark.e2e
+@pytest.mark.service
+@pytest.mark.pipeline
 def test_no_password_is_recorded_anywhere(pipeline, server, alice, postgres):
     repo, _ = pipeline
     passwords = [alice[1], server.admin_password, postgres.password]
@@ -250,6 +253,7 @@ def test_no_password_is_recorded_anywhere(pipeline, server, alice, postgres):
         assert postgres.password not in " ".join(process.cmdline()), process.cmdline()
 
 
+@pytest.mark.service
 def test_a_stage_refused_by_the_server_is_kept_for_sync(server, alice, tmp_path, monkeypatch, capsys):
     isolate(monkeypatch, tmp_path, server.url)
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", alice[0])

@@ -69,6 +69,7 @@ def test_eval_says_before_it_decodes_when_vllm_cannot_serve_the_drafter_here(tin
     check_servable(tiny_target_dir, 32)  # the tiny target's own
 
 
+@pytest.mark.service
 def test_a_server_that_cannot_start_is_named_with_the_end_of_its_log(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "not-a-model").mkdir()
@@ -91,6 +92,8 @@ with vllm_server(sys.argv[1], "float32", VllmConfig(), "holder"):
 """
 
 
+@pytest.mark.service
+@pytest.mark.processes
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stage_stopped_or_killed_leaves_no_engine_behind(sig, tiny_target_dir, tmp_path):
     """SIGTERM unwinds the stage, which stops its server; SIGKILL cannot be caught, and the kernel stops the
@@ -124,6 +127,7 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.service
 def test_an_export_serves_on_vllm_and_a_cpu_cannot_serve_a_head_size_of_16(tiny_target_dir, tmp_path, capsys,
                                                                             tiny_tokenizer, monkeypatch):
     """validate-export --serve serves the speculators export as its printed command does, from another
@@ -144,6 +148,7 @@ def test_an_export_serves_on_vllm_and_a_cpu_cannot_serve_a_head_size_of_16(tiny_
             "GPU; its CPU attention has kernels for head sizes [32, 64,") in out
 
 
+@pytest.mark.service
 def test_the_managed_server_answers_and_is_gone_after_the_block(tiny_target_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     before = engine_processes()

@@ -22,6 +22,8 @@ from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids, capturing
 from eagle3ops.serving.http import EngineError, fetch_json, served_model
 from test_resume import train_workspace
 
+pytestmark = pytest.mark.service  # a capturing vLLM server in every test
+
 AUX = [1, 2, 3]
 TOLERANCE = 1e-4  # of a state's largest magnitude
 
@@ -203,6 +205,7 @@ def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturin
     assert dropped == sum(token in s["input_ids"].tolist() for row in rows for s in row)
 
 
+@pytest.mark.processes
 def test_online_training_fed_by_vllm_resumes_after_sigkill(capturing, tiny_target_dir, tmp_path):
     """Killed after a resume point and run again, online training from the engine continues from that point and
     ends where an uninterrupted run ends, to the engine's rounding (vLLM's batching of the requests in flight
