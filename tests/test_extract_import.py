@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from helpers import isolate
 from eagle3ops.config import ConfigError, TargetConfig, load_config
-from eagle3ops.data.prepare import read_tokenized, split, write_tokenized
+from eagle3ops.data.prepare import SPLITS, read_tokenized, split, write_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest
 from eagle3ops.extraction.hf import NonFiniteError, extract_features
 from eagle3ops.extraction.imported import (
@@ -33,7 +33,6 @@ from eagle3ops.modeling.target import decoder_layers, load_target, model_size
 from eagle3ops.training.data import load_feature_samples
 
 AUX = [3, 1, 2]  # HF indices, deliberately not low to high: the engines store them low to high
-SPLITS = ("train", "eval")
 TEXTS = ["The fox jumps over the lazy dog number 3.", "Hello world, how are you today? The answer is 42.",
          "def add(a, b):\n    return a + b\n", "You are a helpful assistant. Answer briefly.",
          "The assistant writes the code number 7. The answer is 49.", "<think>Let me think step by step.</think> 42."]

@@ -13,6 +13,8 @@ from eagle3ops.data.conversations import DatasetError
 from eagle3ops.data.shards import ShardWriter, iter_samples
 from eagle3ops.data.vocab import count_masked_tokens
 
+SPLITS = ("train", "eval")  # the prepared splits, each a directory under prepare.out_dir; extract keeps them apart
+
 
 @dataclass
 class TokenizeStats:

@@ -40,7 +40,7 @@ from safetensors import safe_open
 
 from eagle3ops.config import TargetConfig
 from eagle3ops.data.hidden_states import encode, finite_positions
-from eagle3ops.data.prepare import read_tokenized
+from eagle3ops.data.prepare import SPLITS, read_tokenized
 from eagle3ops.data.shards import ShardWriter
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import ExtractResult, NonFiniteError
@@ -48,8 +48,6 @@ from eagle3ops.formats.conventions import from_hf
 from eagle3ops.fs import write_json_atomic
 from eagle3ops.modeling.target import TargetError, resolve_aux_layers, text_config, weight_locations
 from eagle3ops.progress import progress
-
-SPLITS = ("train", "eval")
 
 
 class PeerFormatError(InputError):

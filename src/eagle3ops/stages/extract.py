@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from eagle3ops.config import Config
-from eagle3ops.data.prepare import read_tokenized
+from eagle3ops.data.prepare import SPLITS, read_tokenized
 from eagle3ops.data.shards import MANIFEST, read_manifest
 from eagle3ops.extraction.hf import ExtractResult, extract_features
 from eagle3ops.extraction.imported import checkpoint_size, import_features, open_source, plan_import, target_layout
@@ -24,8 +24,6 @@ from eagle3ops.resume import resume_point
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
-
-SPLITS = ("train", "eval")
 
 
 def run(cfg: Config) -> None:
