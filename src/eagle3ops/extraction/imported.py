@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from eagle3ops.config import TargetConfig
@@ -108,17 +109,13 @@ def final_norm_weight(path: Path) -> torch.Tensor:
         return handle.get_tensor(names[0])
 
 
-def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[T, H] -> [T, H] float32: the Llama / DeepSeek-V3 / Kimi final norm, weight * x / rms(x)."""
-    x = hidden.float()
-    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
 def from_engine_slots(hidden: torch.Tensor, layout: TargetLayout, norm: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's captured slots [T, 4, H] (the aux layers low to high, then the last layer's output) -> aux [T, 3H] in
-    the configured layer order, and the final normed state [T, H] float32."""
-    return hidden[:, layout.slot_order].flatten(1), rms_norm(hidden[:, -1], norm, layout.rms_norm_eps)
+    the configured layer order, and the final normed state [T, H] float32 (the Llama / DeepSeek-V3 / Kimi final norm,
+    weight * x / rms(x))."""
+    final = F.rms_norm(hidden[:, -1].float(), (layout.hidden_size,), norm.float(), layout.rms_norm_eps)
+    return hidden[:, layout.slot_order].flatten(1), final
 
 
 def _numbered(paths: Iterator[Path], pattern: re.Pattern) -> list[Path]:
