@@ -22,6 +22,7 @@ from eagle3ops.config import TrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_drafter
+from eagle3ops.formats.conventions import rope_settings
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import default_aux_layers, text_config
 
@@ -157,8 +158,8 @@ def _attention(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
                    f"max_position_embeddings {cfg.max_position_embeddings} < the target's {positions}: engines size "
                    f"the drafter's rotary cache from it, and acceptance collapses on longer contexts; "
                    f"the export raises it to the target's")
-    theta = (target.get("rope_parameters") or {}).get("rope_theta") or target.get("rope_theta")
-    if theta and float(theta) != cfg.rope_theta:
+    theta = rope_settings(target)[0]
+    if theta != cfg.rope_theta:
         report.add("rope", "warning", f"the drafter's rope_theta {cfg.rope_theta} differs from the target's {theta}; "
                                       f"it is the drafter's own setting, kept as trained")
 

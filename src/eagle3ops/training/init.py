@@ -24,6 +24,7 @@ from eagle3ops.data.shards import sha256_file
 from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import load_any_drafter
+from eagle3ops.formats.conventions import rope_settings
 from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.training.compat import CompatReport, IncompatibleDrafter, check_compat
@@ -108,12 +109,6 @@ def _optimizer_state(source: str | Path) -> dict:
     return state["optimizer"]
 
 
-def rope_theta(hf_config) -> float:
-    """transformers 5 keeps it in rope_parameters, 4.x as an attribute."""
-    parameters = getattr(hf_config, "rope_parameters", None) or {}
-    return float(parameters.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
-
-
 def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
                 d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
     """A randomly initialised drafter for a target (its HF config; a wrapper's text config is used), with the
@@ -134,7 +129,7 @@ def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], e
         target_hidden_size=hidden,
         aux_layers=list(aux_layers),
         max_position_embeddings=shape.max_position_embeddings or target_config.max_position_embeddings,
-        rope_theta=shape.rope_theta or rope_theta(target_config),
+        rope_theta=shape.rope_theta or rope_settings(target_config.to_dict())[0],
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
         head_dim=shape.head_dim,
         fc_norm=shape.fc_norm,
