@@ -25,7 +25,6 @@ from eagle3ops.tracking.lineage import lock_outputs
 from eagle3ops.tracking.metrics import HEADLINE, METRICS_DIR, read_all
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
-REPRODUCES_TAG = "eagle3ops.reproduces"
 
 
 @dataclass
