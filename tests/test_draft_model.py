@@ -23,12 +23,12 @@ from eagle3ops.modeling.draft import (
 V, VD, H = 40, 16, 32
 
 
-def make_draft(seed=0, heads=4, kv_heads=2, eagle31=False) -> Eagle3Draft:
+def make_draft(seed=0, heads=4, kv_heads=2, eagle31=False, attention_kernel="auto") -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, aux_layers=[1, 2, 3],
                       fc_norm=eagle31, norm_output=eagle31)
-    draft = Eagle3Draft(cfg)
+    draft = Eagle3Draft(cfg, attention_kernel)
     for p in draft.parameters():  # weights large enough that a mask error changes the outputs visibly
         torch.nn.init.normal_(p, std=0.3)
     chosen = torch.arange(0, 2 * VD, 2)  # every other target id is in the draft vocabulary
@@ -128,8 +128,7 @@ def test_raised_ttt_positions_give_exactly_what_serving_drafts(eagle31, kernel):
     """With raised positions TTT step k at t is the drafter serving t's k-th draft (decoding/drafting.py): the
     prefix 0..t in the cache, then k steps at t + 1, ..., t + k, each fed the previous step's state. With fixed
     positions step 0 still is, the later steps are not. Both TTT attention paths (the flex kernel on this CPU)."""
-    draft = make_draft(eagle31=eagle31)
-    draft.midlayer.self_attn.kernel = kernel
+    draft = make_draft(eagle31=eagle31, attention_kernel=kernel)
     T, K = 10, 4
     generator = torch.Generator().manual_seed(3)
     ids, aux = torch.randint(0, V, (1, T + K), generator=generator), torch.randn(1, T, 3 * H, generator=generator)

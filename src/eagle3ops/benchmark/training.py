@@ -55,11 +55,11 @@ class TrainBench:
     losses: list[float] = field(default_factory=list)
 
 
-def random_drafter(cfg: DraftConfig, seed: int) -> Eagle3Draft:
+def random_drafter(cfg: DraftConfig, seed: int, attention_kernel: str = "auto") -> Eagle3Draft:
     """Random weights (the embedding's standing in for a target's) and a random draft vocabulary, from `seed`, on the
     CPU."""
     torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg)
+    draft = Eagle3Draft(cfg, attention_kernel)
     draft.embed_tokens.weight.data.normal_(0, 0.02)
     vocab_rows = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
     draft.d2t.copy_(vocab_rows - torch.arange(cfg.draft_vocab_size))
@@ -86,8 +86,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     `optim`, as the train stage runs."""
     documents = documents or [length]
     optim = optim or DrafterTrainConfig(lr=1e-4, ttt_steps=ttt_steps)
-    draft = random_drafter(cfg, seed)
-    draft.midlayer.self_attn.kernel = kernel
+    draft = random_drafter(cfg, seed, kernel)
     cross_entropy = prepare_for_training(draft, device)
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
     features = compute_dtype(device)  # as the train stage passes the features and the target's lm_head
@@ -223,16 +222,12 @@ def compare_with_reference(device: torch.device) -> dict:
     through its log-sum-exp) against the eager, explicit ones.
     Returns the largest relative differences of the per-step losses and of the gradients (norm of the difference over
     the norm of the reference, per parameter)."""
-    import copy
-
     from eagle3ops.modeling.draft import soft_cross_entropy
 
     cfg = DraftConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                       vocab_size=1024, draft_vocab_size=256, target_hidden_size=256, head_dim=32)
-    reference = random_drafter(cfg, seed=0).to(device)
-    reference.midlayer.self_attn.kernel = "reference"
-    fused = copy.deepcopy(reference)
-    fused.midlayer.self_attn.kernel = "flex"
+    reference = random_drafter(cfg, seed=0, attention_kernel="reference").to(device)
+    fused = random_drafter(cfg, seed=0, attention_kernel="flex").to(device)  # the same weights, from the same seed
     fused.compile(dynamic=False)
     generator = torch.Generator(device).manual_seed(0)
     rows = [[300, 5, 40, 295], [130, 2, 2, 506]]  # 640 tokens: five tiles of 128

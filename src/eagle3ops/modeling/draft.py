@@ -267,10 +267,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
-        self.kernel = "auto"  # TTT attention: flex (fused), reference (explicit), auto = flex on a GPU
-
-    def uses_flex(self, device: torch.device) -> bool:
-        return self.kernel == "flex" or (self.kernel == "auto" and device.type == "cuda")
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
@@ -344,9 +340,14 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, attention_kernel: str = "auto"):
+        """`attention_kernel`: how TTT attention is computed, flex (the fused kernel), reference (the explicit
+        scores) or auto (flex on a GPU); the weights and the serving path are the same with each."""
         super().__init__()
+        if attention_kernel not in ("auto", "flex", "reference"):
+            raise ValueError(f"attention_kernel {attention_kernel!r}: auto, flex or reference")
         self.cfg = cfg
+        self.attention_kernel = attention_kernel
         # The target's embedding, frozen: whoever builds a drafter copies it in, so it starts as zeros rather than
         # spending seconds on random values nobody uses (a billion of them for Kimi-K2.5).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.zeros(cfg.vocab_size,
@@ -391,7 +392,7 @@ class Eagle3Draft(nn.Module):
     def ttt_context(self, positions: torch.Tensor, ttt_steps: int) -> TTTContext:
         """Step 0's context for a batch of packed rows (positions [B, T], each document's own from 0)."""
         documents = document_ids(positions)
-        flex = self.midlayer.self_attn.uses_flex(positions.device)
+        flex = self.attention_kernel == "flex" or (self.attention_kernel == "auto" and positions.device.type == "cuda")
         return TTTContext(documents, document_block_mask(documents) if flex else None, slots=max(1, ttt_steps - 2))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
