@@ -15,22 +15,14 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import Config
-from eagle3ops.runs.projection import (
-    Profile,
-    ProjectionError,
-    check_against,
-    estimate,
-    fetch_pipeline,
-    load_profile,
-    project,
-    read_target_shape,
-    render,
-    shipped_profiles,
-)
+from eagle3ops.runs.cost_model import estimate, read_target_shape
+from eagle3ops.runs.hardware_profiles import Profile, ProjectionError, load_profile, shipped_profiles
+from eagle3ops.runs.projection import check_against, fetch_pipeline, project
+from eagle3ops.runs.projection_report import render
 from eagle3ops.tracking.run import stage_run
+from helpers import isolate
 
 # A host floor of a picosecond a layer pass: negligible for the 1 G-parameter target of the hand calculation below
 # (test_host_floor_and_compile_phase has a model small enough for it to count).

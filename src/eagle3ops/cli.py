@@ -298,7 +298,8 @@ def _compare(args) -> int:  # reads MLflow only; pandas and matplotlib load only
 def _project(args) -> int:
     from mlflow import MlflowClient
 
-    from eagle3ops.runs.projection import plot_check, project_runs, render
+    from eagle3ops.runs.projection import project_runs
+    from eagle3ops.runs.projection_report import plot_check, render
 
     projection = project_runs(MlflowClient(_store_uri(args)), args.run, args.samples, args.to, args.from_profile,
                               args.measured)

@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -20,36 +19,13 @@ from mlflow.exceptions import MlflowException
 from eagle3ops.config import Config, EvalDrafter, TrainInit, load_config
 from eagle3ops.errors import InputError
 from eagle3ops.reporting.summary import draft_positions, markdown_table
+from eagle3ops.runs.phases import PHASES, Phase
 from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
 from eagle3ops.tracking.run import LOAD_METRIC
 from eagle3ops.tracking.store import ROLE_TAG, tracking_uri
 
 DEFAULT_LAST = 5
 DRAFTER_STAGES = ("train", "eval")  # the stages run once per drafter; the others are shared by all drafters
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    stage: str  # the dvc stage that times it
-    time_metric: str
-    rate_metric: str | None = None  # tokens per second
-
-    def seconds(self, record: PipelineRecord) -> float | None:
-        return record.metric(self.stage, self.time_metric)
-
-    def rate(self, record: PipelineRecord) -> float | None:
-        return record.metric(self.stage, self.rate_metric) if self.rate_metric else None
-
-
-PHASES = (
-    # Loading the target, as the extract stage times it: that stage loads the target and nothing else.
-    Phase("load", "extract", "time/load_s"),
-    Phase("generate", "generate", "time/generate_s", "tokens_per_s"),
-    Phase("extract", "extract", "time/extract_s", "tokens_per_s"),
-    *(Phase(f"train@{init}", f"train@{init}", "time/train_s", "tokens_per_s") for init in TrainInit),
-    *(Phase(f"eval@{drafter}", f"eval@{drafter}", "time/decode_s", "spec_tokens_per_s") for drafter in EvalDrafter),
-)
 
 
 def header(record: PipelineRecord) -> str:
