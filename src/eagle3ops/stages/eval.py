@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from eagle3ops.config import Config
-from eagle3ops.data.benchmarks import load_sets
 from eagle3ops.data.chat import prompt_ids
+from eagle3ops.data.prompt_sets import load_sets
 from eagle3ops.decoding.engines import measure
 from eagle3ops.decoding.served import Served, check_agreement, check_servable, measure_on_vllm, side_by_side
 from eagle3ops.decoding.settings import SpecSettings

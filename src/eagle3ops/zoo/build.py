@@ -8,7 +8,7 @@ and the datasets, deterministically and offline.
                                       published Kimi-K2 drafter), trained by the same loop as the train stage
     <zoo.data_dir>/conversations.jsonl   drafter-training conversations, ShareGPT form, "raw" public-dataset style
     <zoo.data_dir>/bench/<family>.jsonl  held-out prompts, OpenAI form, one benchmark set per task family
-                                         (eval.sets, data/benchmarks.py)
+                                         (eval.sets, data/prompt_sets.py)
 
 Nothing downstream knows these are tiny: they are read as any model directory and any downloaded drafter.
 Everything is built in temporary siblings and renamed into place at the end.

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from eagle3ops.config import Config, ConfigError, PromptSetConfig, PromptSetFormat, load_config
-from eagle3ops.data.benchmarks import PARSERS, load_set, load_sets
 from eagle3ops.data.conversations import DatasetError
+from eagle3ops.data.prompt_sets import PARSERS, load_set, load_sets
 from eagle3ops.reporting.summary import markdown, plot_tau_by_set, tau_by_set_table
 from eagle3ops.zoo.corpus import FAMILIES
 
