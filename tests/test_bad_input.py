@@ -74,7 +74,7 @@ def test_unknown_params_key(workdir, capsys):
     assert rc == 2
     assert "train.lrr" in err
     assert str(params) in err
-    assert err.startswith("eagle3ops: ")
+    assert err.startswith("eagle3ops prepare: error: ")
     assert "Traceback" not in err
     assert not (workdir / "data").exists() and not (workdir / "metrics").exists()
 

@@ -26,12 +26,12 @@ import requests
 import yaml
 
 from helpers import WITHOUT_ENGINE, commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
-from eagle3ops.cli import main, parser
+from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.serving.server import free_port
 from eagle3ops.tracking.outbox import pending
 from eagle3ops.tracking.run import stage_run
-from eagle3ops.tracking.server import server_command
+from eagle3ops.tracking.server import ServerOptions, server_command
 
 DB_ROLE, DB_NAME = "eagle3ops", "mlflow"
 USER = "alice"
@@ -275,11 +275,10 @@ def test_a_stage_refused_by_the_server_is_kept_for_sync(server, alice, tmp_path,
 # The command's composition, without servers.
 
 def test_the_database_password_goes_by_environment_only(tmp_path):
-    args = parser().parse_args(["tracking-server", "--state-dir", str(tmp_path), "--port", "5055",
-                                "--", "--allowed-hosts", "mlflow.example.com"])
+    options = ServerOptions(state_dir=tmp_path, port=5055, mlflow_args=("--allowed-hosts", "mlflow.example.com"))
     environ = {"EAGLE3OPS_DB_URI": "postgresql://team:p%40ss-word@db.internal:5433/mlflow",
                "MLFLOW_FLASK_SERVER_SECRET_KEY": "k", "PATH": "/usr/bin"}
-    launch = server_command(args, environ)
+    launch = server_command(options, environ)
     argv = launch.argv
     assert argv[argv.index("--backend-store-uri") + 1] == "postgresql+psycopg2://team@db.internal:5433/mlflow"
     assert argv[argv.index("--app-name") + 1] == "basic-auth"
@@ -308,6 +307,6 @@ def test_refuses_to_start_without_what_it_needs(environ, named, monkeypatch, tmp
 
 
 def test_libpq_variables_name_the_database(tmp_path):
-    args = parser().parse_args(["tracking-server", "--state-dir", str(tmp_path)])
-    launch = server_command(args, {"PGDATABASE": "mlflow", "MLFLOW_FLASK_SERVER_SECRET_KEY": "k"})
+    launch = server_command(ServerOptions(state_dir=tmp_path),
+                            {"PGDATABASE": "mlflow", "MLFLOW_FLASK_SERVER_SECRET_KEY": "k"})
     assert launch.db_uri == "postgresql+psycopg2:///mlflow" and launch.db_uri in launch.argv

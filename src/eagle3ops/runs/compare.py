@@ -5,9 +5,7 @@ cost on which hardware" (stay local or rent). Everything works on `PipelineRecor
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,13 +14,13 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from eagle3ops.config import Config, EvalDrafter, TrainInit, load_config
-from eagle3ops.errors import InputError
+from eagle3ops.config import EvalDrafter, TrainInit
+from eagle3ops.errors import InputError, UsageError
 from eagle3ops.reporting.summary import draft_positions, markdown_table
 from eagle3ops.runs.phases import PHASES, Phase
 from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
 from eagle3ops.tracking.run import LOAD_METRIC
-from eagle3ops.tracking.store import ROLE_TAG, tracking_uri
+from eagle3ops.tracking.store import ROLE_TAG
 
 DEFAULT_LAST = 5
 DRAFTER_STAGES = ("train", "eval")  # the stages run once per drafter; the others are shared by all drafters
@@ -304,18 +302,17 @@ def write_report(records: Sequence[PipelineRecord], out_dir: Path) -> str:
     return text
 
 
-def command(args: argparse.Namespace) -> int:
-    """`eagle3ops compare`, with the arguments cli.py defines."""
+def command(store: str, experiment: str, filter_string: str, run_ids: Sequence[str], hardware: Sequence[str],
+            variants: Sequence[str], last: int | None, out: Path) -> int:
+    """`eagle3ops compare`: select from the tracking store `store` as select_pipelines does (`last` None: all of
+    `run_ids`, else DEFAULT_LAST), write the report into `out` and print it. Raises UsageError for a filter or run
+    id that selects nothing it can read, InputError when no run matches."""
     try:
-        cfg = load_config(args.params) if Path(args.params).is_file() else Config()
-        client = MlflowClient(args.tracking_uri or tracking_uri(cfg))
-        records = select_pipelines(client, args.experiment or cfg.mlflow.experiment, args.filter, args.runs,
-                                   args.hardware, args.variant, args.last or (None if args.runs else DEFAULT_LAST))
-    except (InputError, MlflowException) as err:  # a bad filter or run id: one line, no traceback
-        print(f"eagle3ops compare: error: {err}", file=sys.stderr)
-        return 2
+        records = select_pipelines(MlflowClient(store), experiment, filter_string, run_ids, hardware, variants,
+                                   last or (None if run_ids else DEFAULT_LAST))
+    except (InputError, MlflowException) as err:  # a bad filter or run id
+        raise UsageError(str(err)) from None
     if not records:
-        print("eagle3ops compare: no pipeline runs match", file=sys.stderr)
-        return 1
-    print(write_report(records, Path(args.out)))
+        raise InputError("no pipeline runs match")
+    print(write_report(records, out))
     return 0

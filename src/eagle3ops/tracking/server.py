@@ -9,10 +9,10 @@ its first start against an empty database.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, NoReturn
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -28,39 +28,22 @@ AUTH_CONFIG = "basic_auth.ini"
 # SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; the `team` extra installs psycopg2.
 DRIVERS = {"postgresql": "postgresql+psycopg2"}
 
-DESCRIPTION = (
-    "Start `mlflow server` for the team: runs and users in PostgreSQL ($EAGLE3OPS_DB_URI = "
-    "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE, or libpq's PGHOST/PGPORT/PGUSER/PGDATABASE; the password "
-    "from the URI, PGPASSWORD or ~/.pgpass), artifacts served from --artifacts-destination, basic auth on. Needs "
-    "$MLFLOW_FLASK_SERVER_SECRET_KEY (any random string, the same across restarts) and, on the first start, "
-    "$MLFLOW_AUTH_ADMIN_PASSWORD (and optionally $MLFLOW_AUTH_ADMIN_USERNAME, default admin): MLflow creates the "
-    "admin user with them. Needs `pip install 'eagle3ops[team]'`. Options after `--` go to `mlflow server` as they "
-    "are (e.g. -- --allowed-hosts mlflow.example.com).")
-
 
 class ServerSetupError(InputError):
     """The environment lacks what the server needs (a database, the CSRF key)."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="interface to listen on (default: %(default)s); 0.0.0.0 to serve the team, behind a TLS "
-                             "proxy: basic auth sends the password with every request")
-    parser.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=4, help="server worker processes (default: %(default)s)")
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                        help=f"holds the generated {AUTH_CONFIG} (no secrets in it) and, unless "
-                             "--artifacts-destination names another place, artifacts/ (default: %(default)s)")
-    parser.add_argument("--artifacts-destination", metavar="PATH_OR_URI",
-                        help="where artifacts are stored: a local directory (default: STATE_DIR/artifacts) or "
-                             "s3://BUCKET/PREFIX (credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-                             "MLFLOW_S3_ENDPOINT_URL for MinIO, Ceph or another S3-compatible store)")
-    parser.add_argument("--default-permission", choices=PERMISSIONS, default="EDIT",
-                        help="what every user may do on experiments and models they did not create (default: "
-                             "%(default)s: the team logs into one shared experiment; READ keeps others' runs "
-                             "read-only, then an admin grants EDIT per experiment)")
-    parser.add_argument("mlflow_args", nargs=argparse.REMAINDER, metavar="-- MLFLOW_SERVER_OPTIONS",
-                        help="further `mlflow server` options, after --")
+@dataclass(frozen=True)
+class ServerOptions:
+    """What `eagle3ops tracking-server` takes; cli.py reads them from the command line."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 serves the team, behind a TLS proxy: basic auth sends the password each time
+    port: int = 5000
+    workers: int = 4  # server worker processes
+    state_dir: Path = DEFAULT_STATE_DIR  # holds AUTH_CONFIG and, unless artifacts_destination says otherwise, artifacts/
+    artifacts_destination: str | None = None  # a local directory or s3://BUCKET/PREFIX (None: STATE_DIR/artifacts)
+    default_permission: str = "EDIT"  # one of PERMISSIONS: on experiments and models a user did not create
+    mlflow_args: tuple[str, ...] = ()  # further `mlflow server` options, as they are
 
 
 def database(env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
@@ -104,7 +87,7 @@ class Launch(NamedTuple):
     artifacts: str
 
 
-def server_command(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
+def server_command(options: ServerOptions, environ: Mapping[str, str]) -> Launch:
     """How to start `mlflow server` from these options and this environment. Raises ServerSetupError when the
     environment cannot start it."""
     if not environ.get(SECRET_KEY_ENV):
@@ -112,25 +95,25 @@ def server_command(args: argparse.Namespace, environ: Mapping[str, str]) -> Laun
                                f"same across restarts, e.g. export {SECRET_KEY_ENV}=$(python -c 'import secrets; "
                                "print(secrets.token_hex(32))') kept in the server's secret store")
     db_uri, db_env = database(environ)
-    state = args.state_dir.absolute()
-    artifacts = args.artifacts_destination or str(state / "artifacts")
+    state = Path(options.state_dir).absolute()
+    artifacts = options.artifacts_destination or str(state / "artifacts")
     auth_config_path = state / AUTH_CONFIG
     env = {key: value for key, value in environ.items() if key != DB_URI_ENV}  # its password is in PGPASSWORD now
     env.update(db_env)
     env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_config_path)
-    extra = args.mlflow_args[1:] if args.mlflow_args[:1] == ["--"] else args.mlflow_args
     argv = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
             "--backend-store-uri", db_uri, "--artifacts-destination", artifacts, "--serve-artifacts",
-            "--host", args.host, "--port", str(args.port), "--workers", str(args.workers), *extra]
-    return Launch(argv, env, auth_config_path, auth_config(db_uri, args.default_permission), db_uri, artifacts)
+            "--host", options.host, "--port", str(options.port), "--workers", str(options.workers),
+            *options.mlflow_args]
+    return Launch(argv, env, auth_config_path, auth_config(db_uri, options.default_permission), db_uri, artifacts)
 
 
-def serve(args: argparse.Namespace) -> NoReturn:
+def serve(options: ServerOptions) -> NoReturn:
     """Write the auth config and become `mlflow server` (exec: signals reach it directly, e.g. from systemd)."""
-    launch = server_command(args, os.environ)
+    launch = server_command(options, os.environ)
     write_text_atomic(launch.auth_config, launch.auth_config_text)
     if "://" not in launch.artifacts:
         Path(launch.artifacts).mkdir(parents=True, exist_ok=True)
-    print(f"eagle3ops tracking-server: http://{args.host}:{args.port}, runs and users in {launch.db_uri}, artifacts "
+    print(f"eagle3ops tracking-server: http://{options.host}:{options.port}, runs and users in {launch.db_uri}, artifacts "
           f"in {launch.artifacts}", file=sys.stderr, flush=True)
     os.execve(sys.executable, launch.argv, launch.env)
