@@ -15,6 +15,7 @@ from helpers import isolate, loopback_server
 from eagle3ops.config import Config, EvalConfig, PromptSetConfig, TargetConfig
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import EngineError, measure, parse_exposition, vllm_counters
+from eagle3ops.serving import http as engine_http
 from eagle3ops.stages import eval as eval_stage
 
 K = 3
@@ -226,13 +227,16 @@ def test_sglang_backend_end_to_end_per_set():
     assert round(totals["easy"].stats.tau, 6) == 4.0 and not totals["easy"].per_position
 
 
-def test_engine_failures_are_named():
+def test_engine_failures_are_named(monkeypatch):
+    monkeypatch.setattr(engine_http, "BACKOFF_S", 0.001)  # every request is retried with backoff, briefly here
     with fake_engine(k=2) as (url, _):
         with pytest.raises(EngineError, match=r"/metrics: the server drafts 2 tokens per step but eval.k is 3"):
             measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
-    with fake_engine(fail=True) as (url, _):
-        with pytest.raises(EngineError, match=r"/v1/completions: HTTP 500: .*CUDA out of memory"):
+    with fake_engine(fail=True) as (url, state):
+        with pytest.raises(EngineError, match=r"/v1/completions: gave up after 7 attempts; last: HTTP 500: .*CUDA out "
+                                              r"of memory"):
             measure("vllm", url, prompt_sets(), K, 64, 0.0, 2, "eval@test", encode)
+    assert len(state["requests"]) == 1 + engine_http.MAX_RETRIES  # the warm-up request, retried
     with fake_engine() as (url, _):
         stopped = url
     with pytest.raises(EngineError, match=r"/v1/models: cannot reach the server .*eval.server_url"):

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from helpers import isolate, loopback_server
 from eagle3ops.config import ConfigError, OpenAIEndpointConfig, load_config
 from eagle3ops.errors import InputError
-from eagle3ops.generation.openai import EndpointError, EndpointUnavailable, ResumeLog, regenerate_openai, with_reasoning
+from eagle3ops.generation.openai import ResumeLog, regenerate_openai, with_reasoning
+from eagle3ops.serving.http import EngineError, EngineUnavailable
 from eagle3ops.serving.server import free_port
 
 ORIGINAL = "ORIGINAL ANSWER " * 12  # far longer than any regenerated turn: a prompt carrying it shows
@@ -82,7 +83,7 @@ def test_every_turn_regenerated_in_order_conditioned_on_the_regenerated_ones(ser
 @pytest.mark.service
 def test_a_model_the_server_does_not_serve_fails_fast_with_its_message(served_target, tmp_path):
     settings = OpenAIEndpointConfig(base_url=served_target, model="not-the-target", max_retries=5)
-    with pytest.raises(EndpointError, match=r"conversation 'c00', turn 2: .*HTTP 404: .*not-the-target"):
+    with pytest.raises(EngineError, match=r"conversation 'c00', turn 2: .*HTTP 404: .*not-the-target"):
         regenerate_openai(chats(1), settings, 8, 0.0, 0, tmp_path / "log.jsonl")
 
 
@@ -237,7 +238,7 @@ def test_a_client_error_fails_fast_with_the_servers_message(tmp_path):
     error = {"error": {"message": "This model's maximum context length is 8 tokens", "type": "BadRequestError"}}
     with scripted_server(lambda n, body: (400, {}, error)) as (url, seen):
         settings = OpenAIEndpointConfig(base_url=url, model="target", max_retries=5)
-        with pytest.raises(EndpointError, match="conversation 'q0', turn 1: .*HTTP 400: .*maximum context length is 8"):
+        with pytest.raises(EngineError, match="conversation 'q0', turn 1: .*HTTP 400: .*maximum context length is 8"):
             regenerate_openai(one_turn(), settings, 8, 0.0, 0, tmp_path / "log.jsonl")
     assert len(seen["requests"]) == 1
 
@@ -245,14 +246,14 @@ def test_a_client_error_fails_fast_with_the_servers_message(tmp_path):
 def test_retries_run_out_on_a_server_that_keeps_failing(tmp_path):
     with scripted_server(lambda n, body: (503, {}, {"message": "overloaded"})) as (url, seen):
         settings = OpenAIEndpointConfig(base_url=url, model="target", max_retries=2)
-        with pytest.raises(EndpointUnavailable, match="gave up after 3 attempts; last: HTTP 503: overloaded"):
+        with pytest.raises(EngineUnavailable, match="gave up after 3 attempts; last: HTTP 503: overloaded"):
             regenerate_openai(one_turn(), settings, 8, 0.0, 0, tmp_path / "log.jsonl", backoff_s=0.01)
     assert len(seen["requests"]) == 3
 
 
 def test_connection_errors_are_retried_then_reported(tmp_path):
     settings = OpenAIEndpointConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", model="target", max_retries=1)
-    with pytest.raises(EndpointUnavailable, match="gave up after 2 attempts; last: ConnectError"):
+    with pytest.raises(EngineUnavailable, match="gave up after 2 attempts; last: ConnectError"):
         regenerate_openai(one_turn(), settings, 8, 0.0, 0, tmp_path / "log.jsonl", backoff_s=0.01)
 
 

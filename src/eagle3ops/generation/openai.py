@@ -8,12 +8,10 @@ Concurrency. `concurrency` workers each take one conversation at a time, so at m
 flight and the engine batches them. asyncio + httpx2 rather than threads + the `openai` client: httpx2 is
 already installed with huggingface_hub (no new dependency), hundreds of requests in flight (vLLM runs well at
 concurrency 200) cost coroutines rather than OS threads, and the raw JSON gives the non-standard fields
-(`reasoning_content` / `reasoning`) and the retry policy below without working around a client library.
+(`reasoning_content` / `reasoning`) and the retry policy without working around a client library.
 
-Retries. 408, 429, 5xx, timeouts and connection errors are retried up to `max_retries` times, after
-`backoff_s * 2**attempt` (capped, times a random 0.5-1 so that many clients do not retry in step), or after the
-server's Retry-After when it asks for longer. Any other 4xx fails at once with the server's own message: a
-wrong model name or a prompt over the context limit does not get better by asking again.
+Retries: those of every request to an engine (serving/http.py), `max_retries` times: 408, 429, 5xx, timeouts and
+connection errors are retried with backoff; any other 4xx fails at once with the server's own message.
 
 Reasoning. Engines with a reasoning parser return the thinking apart from the answer (`reasoning_content`, or
 `reasoning` in newer vLLM). The records keep plain {role, content} messages (data/conversations.py drops other
@@ -28,13 +26,9 @@ kill mid-write is dropped (the file is truncated to its last whole line).
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import hashlib
-import itertools
 import json
 import os
-import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,19 +39,9 @@ import httpx2
 
 from eagle3ops.config import OpenAIEndpointConfig
 from eagle3ops.errors import InputError
+from eagle3ops.serving.http import BACKOFF_S, MAX_RETRIES, EngineError, Retries, send_async
 
-BACKOFF_S = 1.0  # the first retry's delay; doubles with each attempt
-BACKOFF_CAP_S = 60.0
 REASONING_FIELDS = ("reasoning_content", "reasoning")  # SGLang / transformers serve / older vLLM; newer vLLM
-
-
-class EndpointError(InputError):
-    """The server refused a request (a 4xx other than 408/429) or answered with something else than a chat
-    completion; the message carries the server's own words."""
-
-
-class EndpointUnavailable(RuntimeError):
-    """Retries exhausted: the server stayed overloaded, failing or unreachable."""
 
 
 @dataclass
@@ -117,36 +101,6 @@ def with_reasoning(message: dict) -> str:
     return "<think>\n" + reasoning.strip("\n") + "\n</think>\n" + content.lstrip("\n")
 
 
-def retry_after_s(value: str | None) -> float | None:
-    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None when absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
-
-
-def server_message(response: httpx2.Response) -> str:
-    """The error text of a response, as OpenAI/vLLM ({"error": {"message"}}), SGLang/old vLLM ({"message"})
-    or FastAPI ({"detail"}) write it; else the start of the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        error = body.get("error")
-        error = error.get("message") if isinstance(error, dict) else error
-        for found in (error, body.get("message"), body.get("detail")):
-            if found:
-                return found if isinstance(found, str) else json.dumps(found)
-    return json.dumps(body)[:500]
-
-
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
     """A per-request sampling seed: a sampled (T > 0) turn comes out the same whatever ran before or beside it,
     so a resumed run equals an uninterrupted one on a deterministic server."""
@@ -154,20 +108,19 @@ def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
 
 
 class ChatEndpoint:
-    """One server's /chat/completions, with the retry policy of the module docstring.
+    """One server's /chat/completions, retried as every request to an engine is (serving/http.py).
     Use as `async with ChatEndpoint(...) as endpoint`; `model` None = the one model the server lists."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, concurrency: int = 1,
-                 max_retries: int = 6, timeout_s: float = 600.0, extra_body: dict | None = None,
+                 max_retries: int = MAX_RETRIES, timeout_s: float = 600.0, extra_body: dict | None = None,
                  backoff_s: float = BACKOFF_S):
         self.base_url, self.model = base_url.rstrip("/"), model
-        self.max_retries, self.backoff_s, self.extra_body = max_retries, backoff_s, dict(extra_body or {})
+        self.policy, self.extra_body = Retries(max_retries, backoff_s), dict(extra_body or {})
         self.client = httpx2.AsyncClient(
             base_url=self.base_url, timeout=httpx2.Timeout(timeout_s),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             limits=httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
         )
-        self.requests = self.retries = 0
 
     async def __aenter__(self) -> ChatEndpoint:
         if self.model is None:
@@ -182,37 +135,15 @@ class ChatEndpoint:
         try:
             ids = [entry["id"] for entry in response.json()["data"]]
         except (ValueError, KeyError, TypeError):
-            raise EndpointError(f"GET {self.base_url}/models: not a model list: {response.text[:300]!r}; is "
-                                f"generate.openai.base_url the API root (ending in /v1)?") from None
+            raise EngineError(f"GET {self.base_url}/models: not a model list: {response.text[:300]!r}; is "
+                              f"generate.openai.base_url the API root (ending in /v1)?") from None
         if len(ids) != 1:
-            raise EndpointError(f"{self.base_url}/models lists {ids or 'no models'}; set generate.openai.model to "
-                                f"the one serving the target")
+            raise EngineError(f"{self.base_url}/models lists {ids or 'no models'}; set generate.openai.model to "
+                              f"the one serving the target")
         return ids[0]
 
     async def request(self, method: str, path: str, body: dict | None = None) -> httpx2.Response:
-        url = f"{self.base_url}{path}"
-        for attempt in itertools.count():
-            self.requests += 1
-            try:
-                response = await self.client.request(method, path, json=body)
-            except httpx2.TransportError as err:  # timeouts, refused or dropped connections
-                problem, asked = f"{type(err).__name__}: {err}", None
-            else:
-                status = response.status_code
-                if status < 400:
-                    return response
-                if status not in (408, 429) and status < 500:
-                    raise EndpointError(f"{method} {url}: HTTP {status}: {server_message(response)}")
-                problem = f"HTTP {status}: {server_message(response)}"
-                asked = retry_after_s(response.headers.get("retry-after"))
-            if attempt == self.max_retries:
-                raise EndpointUnavailable(f"{method} {url}: gave up after {attempt + 1} attempts; last: {problem}")
-            delay = min(BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
-            delay = max(delay, asked or 0.0)
-            print(f"generate: {method} {url}: {problem}; retry {attempt + 1}/{self.max_retries} in {delay:.1f}s",
-                  file=sys.stderr, flush=True)
-            self.retries += 1
-            await asyncio.sleep(delay)
+        return await send_async(self.client, method, path, body, self.policy)
 
     async def complete(self, messages: list[dict], max_tokens: int, temperature: float, seed: int) -> TurnResult:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
@@ -223,8 +154,8 @@ class ChatEndpoint:
             choice = answer["choices"][0]
             message, usage = choice["message"], answer.get("usage") or {}
         except (ValueError, KeyError, IndexError, TypeError):
-            raise EndpointError(f"POST {self.base_url}/chat/completions: not a chat completion: "
-                                f"{response.text[:300]!r}") from None
+            raise EngineError(f"POST {self.base_url}/chat/completions: not a chat completion: "
+                              f"{response.text[:300]!r}") from None
         return TurnResult(with_reasoning(message), choice.get("finish_reason"), usage.get("prompt_tokens") or 0,
                           usage.get("completion_tokens") or 0)
 
@@ -241,8 +172,8 @@ async def regenerate_conversation(endpoint: ChatEndpoint, conversation: dict, ma
         try:
             result = await endpoint.complete(messages[:index], max_tokens, temperature,
                                              turn_seed(seed, conversation["id"], index))
-        except EndpointError as err:
-            raise EndpointError(f"conversation {conversation['id']!r}, turn {index}: {err}") from None
+        except EngineError as err:  # or EngineUnavailable: raised again as itself, the turn named
+            raise type(err)(f"conversation {conversation['id']!r}, turn {index}: {err}") from None
         message["content"] = result.content
         turns.append({"turn": index, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                       "completion_tokens": result.completion_tokens})
@@ -332,7 +263,7 @@ def regenerate_openai(conversations: list[dict], settings: OpenAIEndpointConfig,
                     return await _regenerate_missing(endpoint, todo, settings.concurrency, max_tokens, temperature,
                                                      seed, append, on_turns)
             finally:
-                stats.requests, stats.retries = endpoint.requests, endpoint.retries
+                stats.requests, stats.retries = endpoint.policy.requests, endpoint.policy.retries
 
     start = time.perf_counter()
     fresh = asyncio.run(main()) if todo else []

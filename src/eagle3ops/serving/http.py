@@ -1,30 +1,146 @@
-"""The HTTP side of an engine's server: JSON requests with errors that name the URL, and the served model."""
+"""The HTTP side of an engine's server: every request to it, with retries and errors that name the URL, and the
+served model. The eval backends, the vLLM capture and online training send with `fetch` / `fetch_json`; the
+`openai` generation backend with `send_async` from its own concurrent client.
+
+Retries. 408, 429, 5xx, timeouts and connection errors are retried up to `max_retries` times, after
+`backoff_s * 2**attempt` (capped, times a random 0.5-1 so that many clients do not retry in step), or after the
+server's Retry-After when it asks for longer. Any other 4xx fails at once with the server's own message: a
+wrong model name or a prompt over the context limit does not get better by asking again. Every request sent this
+way gives the same result when sent twice: model lists and metrics are reads, a completion is taken from the
+answer that came back (a generated turn carries its own seed). An attempt cut off midway may still have run on the
+server: its verification steps count in vLLM's spec-decode counters, and the wait in the eval's time of its set.
+"""
 from __future__ import annotations
 
+import asyncio
+import email.utils
+import itertools
 import json
-import urllib.error
-import urllib.request
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx2
 
 from eagle3ops.errors import InputError
 
 REQUEST_TIMEOUT_S = 900.0
+MAX_RETRIES = 6
+BACKOFF_S = 1.0  # the first retry's delay; doubles with each attempt
+BACKOFF_CAP_S = 60.0
+ENGINE_URLS = "eval.server_url, train.online_url"  # the settings that name the servers `fetch` is sent to
 
 
 class EngineError(InputError):
-    """The server cannot be reached, answers with an error, or does not report speculative decoding."""
+    """The server refused a request (a 4xx other than 408/429), answered with something else than asked, or cannot
+    be used as configured; the message carries the server's own words."""
+
+
+class EngineUnavailable(EngineError):
+    """Retries exhausted: the server stayed overloaded, failing or unreachable."""
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def server_message(response: httpx2.Response) -> str:
+    """The error text of a response, as OpenAI/vLLM ({"error": {"message"}}), SGLang/old vLLM ({"message"})
+    or FastAPI ({"detail"}) write it; else the start of the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        error = error.get("message") if isinstance(error, dict) else error
+        for found in (error, body.get("message"), body.get("detail")):
+            if found:
+                return found if isinstance(found, str) else json.dumps(found)
+    return json.dumps(body)[:500]
+
+
+@dataclass
+class Retries:
+    """A client's retry policy (the module docstring's), and what it sent: requests (retries included), retries.
+    `url_setting` names the setting that holds the server's URL, said when the server cannot be reached."""
+    max_retries: int = MAX_RETRIES
+    backoff_s: float = BACKOFF_S
+    url_setting: str | None = None
+    requests: int = 0
+    retries: int = 0
+
+    def wait_s(self, method: str, url: str, attempt: int, outcome: httpx2.Response | httpx2.TransportError
+               ) -> float | None:
+        """After an attempt: None when `outcome` is the answer, else how long to wait before the next one. Raises
+        EngineError when asking again cannot help, EngineUnavailable when the retries are spent."""
+        self.requests += 1
+        if isinstance(outcome, httpx2.TransportError):  # timeouts, refused or dropped connections
+            problem, asked = f"{type(outcome).__name__}: {outcome}", None
+        else:
+            status = outcome.status_code
+            if status < 400:
+                return None
+            if status not in (408, 429) and status < 500:
+                raise EngineError(f"{method} {url}: HTTP {status}: {server_message(outcome)}")
+            problem = f"HTTP {status}: {server_message(outcome)}"
+            asked = retry_after_s(outcome.headers.get("retry-after"))
+        if attempt == self.max_retries:
+            spent = f"gave up after {attempt + 1} attempts; last: {problem}"
+            if isinstance(outcome, httpx2.Response):
+                raise EngineUnavailable(f"{method} {url}: {spent}")
+            check = f"; check the URL configured ({self.url_setting})" if self.url_setting else ""
+            raise EngineUnavailable(f"{method} {url}: cannot reach the server ({spent}){check}")
+        delay = max(min(BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0), asked or 0.0)
+        print(f"{method} {url}: {problem}; retry {attempt + 1}/{self.max_retries} in {delay:.1f}s",
+              file=sys.stderr, flush=True)
+        self.retries += 1
+        return delay
+
+
+def send(method: str, url: str, body: dict | None = None, retries: Retries | None = None) -> httpx2.Response:
+    """One request (a JSON body, or none), retried as `retries` says (default: the module's settings, read here)."""
+    retries = retries or Retries(MAX_RETRIES, BACKOFF_S, ENGINE_URLS)
+    for attempt in itertools.count():
+        try:
+            outcome = httpx2.request(method, url, json=body, timeout=REQUEST_TIMEOUT_S)
+        except httpx2.TransportError as err:
+            outcome = err
+        delay = retries.wait_s(method, url, attempt, outcome)
+        if delay is None:
+            return outcome
+        time.sleep(delay)
+
+
+async def send_async(client: httpx2.AsyncClient, method: str, path: str, body: dict | None,
+                     retries: Retries) -> httpx2.Response:
+    """`send` on an asynchronous client with a base URL: many requests in flight, one event loop."""
+    url = f"{client.base_url}".rstrip("/") + path
+    for attempt in itertools.count():
+        try:
+            outcome = await client.request(method, path, json=body)
+        except httpx2.TransportError as err:
+            outcome = err
+        delay = retries.wait_s(method, url, attempt, outcome)
+        if delay is None:
+            return outcome
+        await asyncio.sleep(delay)
 
 
 def fetch(url: str, payload: dict | None = None) -> bytes:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            return response.read()
-    except urllib.error.HTTPError as err:
-        raise EngineError(f"{url}: HTTP {err.code}: {err.read().decode('utf-8', 'replace')[:300]}") from None
-    except (urllib.error.URLError, OSError) as err:  # refused, unknown host, timeout
-        raise EngineError(f"{url}: cannot reach the server ({getattr(err, 'reason', err)}); check the URL configured "
-                          f"(eval.server_url, train.online_url)") from None
+    """GET `url`, or POST `payload` to it as JSON; the answer's body."""
+    return send("GET" if payload is None else "POST", url, payload).content
 
 
 def fetch_json(url: str, payload: dict | None = None) -> dict:
