@@ -2,7 +2,7 @@
 it) and the two tiers.
 
 The fast tier is the default: `pytest` leaves out every test marked with one of SLOW_TIER (it starts a service,
-runs the pipeline or a stage as subprocesses, or starts several processes) and says so at the end.
+runs the pipeline or a stage as subprocesses, starts several processes, or takes tens of seconds) and says so at the end.
 `pytest --all` runs everything, as CI does (`.ci/run`); `-m` picks tests by marker as usual."""
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from helpers import TEXTS
 SLOW_TIER = {
     "service": "starts a real server (vLLM, mlflow server, PostgreSQL, sshd, S3, transformers serve)",
     "pipeline": "runs the DVC pipeline or a stage as subprocesses (minutes)",
-    "processes": "starts several processes (torchrun ranks, a stage SIGKILLed and resumed)",
+    "processes": "starts several processes (torchrun ranks, a stage SIGKILLed and resumed, fresh-process timings)",
+    "heavy": "compiles with torch.compile, runs a benchmark end to end or works through a 10 MB input (tens of "
+             "seconds each)",
 }
 
 

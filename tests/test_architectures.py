@@ -34,7 +34,6 @@ from transformers import (
 )
 from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
-from helpers import TEXTS, isolate
 from eagle3ops.config import TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest
@@ -50,6 +49,7 @@ from eagle3ops.modeling.target import (
 from eagle3ops.stages import eval as eval_stage
 from eagle3ops.stages import extract, generate, prepare, train
 from eagle3ops.tracking.identity import target_identity
+from helpers import TEXTS, isolate
 
 LAYERS = 4
 AUX_LAYERS = [1, 2, 3]

@@ -13,10 +13,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.formats.specforge import CheckpointError, load_into, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from helpers import isolate
 
 CONVERSATIONS = "data/generated/conversations.jsonl"
 
@@ -255,6 +255,7 @@ def test_non_utf8_bytes_name_the_line(workdir, capsys, tiny_target_dir):
     assert not (workdir / "data" / "prepared").exists()
 
 
+@pytest.mark.heavy
 def test_ten_megabyte_line_is_truncated_and_counted(workdir, capsys, tiny_target_dir):
     huge = conversation(0, assistant="word " * 2_000_000)  # a 10 MB line
     write_jsonl(workdir / CONVERSATIONS, [huge, conversation(1), conversation(2)])

@@ -11,6 +11,7 @@ from eagle3ops.benchmark.run import run_bench
 from eagle3ops.benchmark.sizes import SIZES
 
 
+@pytest.mark.heavy
 def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
     result = run_bench("tiny", torch.device("cpu"), tmp_path / "work", parts=("extract", "extract-split", "train"),
                        kernels=("reference",), train_shapes=[(1, 64)])
@@ -43,6 +44,7 @@ def test_tiny_bench_extraction_sweeps_split_and_training(tmp_path):
     assert (tmp_path / "tiny-extract.png").stat().st_size > 0 and (tmp_path / "tiny.png").stat().st_size > 0
 
 
+@pytest.mark.heavy
 def test_tiny_bench_times_each_training_variant_on_the_same_row(tmp_path):
     result = run_bench("tiny", torch.device("cpu"), tmp_path / "work", parts=("train-variants",))
     rows = result["train_variants"]
@@ -66,6 +68,7 @@ def test_batch_panel_uses_the_length_measured_at_most_batch_sizes():
     assert batch_sweep_length([{"batch": 1, "length": 512}, {"batch": 1, "length": 256}]) == 256
 
 
+@pytest.mark.processes
 def test_tiny_bench_trains_data_of_varying_length_from_fresh_processes(tmp_path):
     """Two fresh processes (an empty compile cache, then the one it left) train two epochs of the seeded set with
     the train stage's loop: their figures hold together, and the same data give the same losses."""
@@ -89,6 +92,7 @@ def test_tiny_bench_trains_data_of_varying_length_from_fresh_processes(tmp_path)
     assert (tmp_path / "varlen-start.png").stat().st_size > 0
 
 
+@pytest.mark.heavy
 def test_tiny_bench_online_against_offline(tmp_path):
     """Extraction in bf16 and FP8, then the same epochs offline and online: the same losses step for step (up to the
     rounding of bf16 shards against the target's float32 states on a CPU), totals that add up, no shard left."""

@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.runs.compare import (
@@ -28,6 +27,7 @@ from eagle3ops.runs.compare import (
     write_report,
 )
 from eagle3ops.tracking.run import stage_run
+from helpers import isolate
 
 
 def _eval(load: float, decode: float, accepts: tuple[float, ...], spec_tokens_per_s: float) -> dict[str, float]:

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ttt_logits
 from eagle3ops.formats.specforge import load_drafter, read_weights, save_drafter
 from eagle3ops.modeling.draft import (
     DraftConfig,
@@ -19,6 +18,7 @@ from eagle3ops.modeling.draft import (
     target_distribution,
     ttt_loss,
 )
+from helpers import ttt_logits
 
 V, VD, H = 40, 16, 32
 
@@ -414,6 +414,7 @@ def test_soft_cross_entropy_value_and_gradient():
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on a CPU needs a C compiler")
+@pytest.mark.heavy
 def test_the_compiled_step_and_loss_give_the_eager_loss_and_gradients_and_compile_once():
     """What the training loop compiles on a GPU (the drafter's forward, one TTT step, and the step loss), compiled
     here by the CPU backend: the same TTT loss and gradients as eager, and a fixed number of graphs, two of the

@@ -27,8 +27,8 @@ import pytest
 import yaml
 from moto.server import ThreadedMotoServer
 
-from helpers import ROOT, WITHOUT_ENGINE, commit, micro_pipeline_repo, ran_stages, run, write_params
 from eagle3ops.serving.server import free_port
+from helpers import ROOT, WITHOUT_ENGINE, commit, micro_pipeline_repo, ran_stages, run, write_params
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.service]
 

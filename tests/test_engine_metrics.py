@@ -11,12 +11,12 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import isolate, loopback_server
 from eagle3ops.config import Config, EvalConfig, PromptSetConfig, TargetConfig
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import EngineError, measure, parse_exposition, vllm_counters
 from eagle3ops.serving import http as engine_http
 from eagle3ops.stages import eval as eval_stage
+from helpers import isolate, loopback_server
 
 K = 3
 STEPS_PER_REQUEST = 4
@@ -154,7 +154,7 @@ class FakeEngine(BaseHTTPRequestHandler):
             counters = self.state["counters"][engine]
             counters["drafts"] += STEPS_PER_REQUEST
             counters["accepted"] += STEPS_PER_REQUEST * accepted
-            for position in range(accepted):
+            for position in range(min(accepted, len(counters["per_pos"]))):  # an engine drafting fewer than asked
                 counters["per_pos"][position] += STEPS_PER_REQUEST
 
     def _metrics(self) -> str:

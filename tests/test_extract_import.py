@@ -16,7 +16,6 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from helpers import isolate
 from eagle3ops.config import ConfigError, TargetConfig, load_config
 from eagle3ops.data.prepare import SPLITS, read_tokenized, split, write_tokenized
 from eagle3ops.data.shards import iter_samples, read_manifest
@@ -31,6 +30,7 @@ from eagle3ops.extraction.imported import (
 )
 from eagle3ops.modeling.target import decoder_layers, load_target, model_size
 from eagle3ops.training.data import load_feature_samples
+from helpers import isolate
 
 AUX = [3, 1, 2]  # HF indices, deliberately not low to high: the engines store them low to high
 TEXTS = ["The fox jumps over the lazy dog number 3.", "Hello world, how are you today? The answer is 42.",

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers import isolate
 from eagle3ops.cli import main
 from eagle3ops.config import ConfigError, load_config
 from eagle3ops.decoding.speculative import speculative_greedy, target_greedy
@@ -23,6 +22,7 @@ from eagle3ops.formats.specforge import CheckpointError, load_drafter, read_weig
 from eagle3ops.formats.validate import validate_export
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import default_aux_layers
+from helpers import isolate
 
 AUX = [1, 2, 3]  # HF hidden-state indices; the tiny target has 4 decoder layers
 VD = 48  # draft vocabulary

@@ -16,12 +16,12 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import isolate, loopback_server
 from eagle3ops.config import ConfigError, OpenAIEndpointConfig, load_config
 from eagle3ops.errors import InputError
 from eagle3ops.generation.openai import ResumeLog, regenerate_openai, with_reasoning
 from eagle3ops.serving.http import EngineError, EngineUnavailable
 from eagle3ops.serving.server import free_port
+from helpers import isolate, loopback_server
 
 ORIGINAL = "ORIGINAL ANSWER " * 12  # far longer than any regenerated turn: a prompt carrying it shows
 

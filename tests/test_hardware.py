@@ -17,10 +17,12 @@ def test_fingerprint_has_every_key_with_plain_values() -> None:
     assert all(isinstance(value, (str, int, float)) for value in fp.values())
 
 
-def test_cpu_label_on_this_machine() -> None:
+def test_the_label_of_this_machine() -> None:
     fp = fingerprint()
     if fp["gpu_count"] == 0:
         assert label(fp) == f"cpu-{len(os.sched_getaffinity(0))}c"
+    else:  # "1xH200", "8xRTXPRO6000-pcie": the count, then the model without its vendor
+        assert label(fp).startswith(f"{fp['gpu_count']}x") and "NVIDIA" not in label(fp) and " " not in label(fp)
 
 
 def test_gpu_labels_from_hand_made_fingerprints() -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from helpers import isolate, wait_for_http
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.serving.server import free_port
 from eagle3ops.tracking.outbox import pending
 from eagle3ops.tracking.run import stage_run
+from helpers import isolate, wait_for_http
 
 
 class Server:

@@ -7,13 +7,13 @@ import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
 
-from helpers import isolate
 from eagle3ops.config import Config
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.registry import CHAMPION, Measurement, weights_sha256
 from eagle3ops.tracking.run import ONE_OFF, stage_run
+from helpers import isolate
 
 NAME = "eagle3-drafter"
 MEASURED = Measurement(target="org/target@abc123", target_digest="d1", sets=("gsm8k:0a1b:20", "mt-bench:2c3d:10"),

@@ -15,10 +15,10 @@ import speculators.models.eagle3 as speculators  # the test extra installs it
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import ttt_logits
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from helpers import ttt_logits
 
 AUX, VD, T, K = [1, 2, 3], 48, 128, 4  # T: its flex block mask is built for whole 128-token tiles
 

@@ -25,13 +25,13 @@ import pytest
 import requests
 import yaml
 
-from helpers import WITHOUT_ENGINE, commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.cli import main
 from eagle3ops.config import Config
 from eagle3ops.serving.server import free_port
 from eagle3ops.tracking.outbox import pending
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.server import ServerOptions, server_command
+from helpers import WITHOUT_ENGINE, commit, isolate, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 
 DB_ROLE, DB_NAME = "eagle3ops", "mlflow"
 USER = "alice"

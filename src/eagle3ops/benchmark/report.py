@@ -18,9 +18,7 @@ REFERENCE = {
 
 
 def render(result: dict) -> str:
-    import pandas as pd
 
-    from eagle3ops.reporting.summary import markdown_table
 
     lines = [f"# eagle3ops bench: {result['size']} on {result['device']} (torch {result['torch']})", ""]
     if "data_parallel" in result:

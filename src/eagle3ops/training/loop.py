@@ -43,7 +43,6 @@ from eagle3ops.training.data import (
 from eagle3ops.training.distributed import World
 from eagle3ops.training.optimizers import Optimizers
 
-
 # Compiled graphs and kernels (Inductor's and Triton's caches), kept for the next process: a resumed or re-run stage,
 # the next experiment. TORCHINDUCTOR_CACHE_DIR, when set, names another place.
 COMPILE_CACHE_DIR = Path(".eagle3ops") / "compile-cache"

@@ -21,6 +21,7 @@ import torch
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.errors import InputError
 
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
     warmup = max(1, round(total_steps * warmup_ratio))
 

@@ -19,11 +19,11 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from helpers import TEXTS
 from eagle3ops.config import TargetConfig
 from eagle3ops.data.chat import SHIPPED_TEMPLATES, ChatTemplateError, prompt_ids, render, tokenize_conversation
 from eagle3ops.modeling.target import load_tokenizer
 from eagle3ops.zoo.tokenizer import CHAT_TEMPLATE as ZOO_TEMPLATE
+from helpers import TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = "[PAD]"
