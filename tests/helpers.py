@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+
 # A few dozen short strings: enough for BPE to learn some merges, small enough to train in well under a second.
 TEXTS = [
     f"{subject} {verb} the {thing} number {i}. Hello world, how are you today? The answer is {i * 7}."

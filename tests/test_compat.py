@@ -227,7 +227,8 @@ def test_optimizer_state_must_fit_and_needs_keep(tmp_path, tiny_target_dir):
     with pytest.raises(Exception, match="remap"):
         warm_start(tmp_path, tiny_target_dir, source, vocab="remap", resume_optimizer=True)
     warm, _ = warm_start(tmp_path, tiny_target_dir, source, resume_optimizer=True)
-    optimizers = Optimizers(trainable(warm.draft), DrafterTrainConfig(), total_steps=10, fused=False)
+    optimizers = Optimizers(trainable(warm.draft), DrafterTrainConfig(optimizer="adamw"), total_steps=10,
+                            fused=False)
     with pytest.raises(Exception, match="does not fit"):
         optimizers.continue_moments(warm.optimizer_state)
 

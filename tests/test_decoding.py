@@ -8,7 +8,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3ops.config import ConfigError, load_config
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.decoding.batching import TargetBatch
-from eagle3ops.decoding.settings import DecodingError, SpecSettings
 from eagle3ops.decoding.speculative import (
     AcceptanceStats,
     speculative_generate,
@@ -21,6 +20,7 @@ from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import TargetError, capture, resolve_aux_layers
+from eagle3ops.spec_settings import DecodingError, SpecSettings
 
 V, H, LAYERS = 64, 32, 6
 

@@ -10,10 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3ops.decoding.drafting import DraftState, propose
 from eagle3ops.decoding.sampling import draft_probs, rejection_sample, sample, target_probs, top_p_filter
-from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import capture
+from eagle3ops.spec_settings import SpecSettings
 
 ALPHA = 1e-3  # a correct sampler fails a test with this probability; seeds are fixed, so results are stable
 V, H = 16, 32  # a tiny vocabulary: the joint law of three tokens has only 16^3 cells

@@ -15,7 +15,6 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from helpers import OUTSIDE_ENV, isolate
 from eagle3ops import cli
 from eagle3ops.config import ConfigError, DrafterTrainConfig, TargetConfig, load_config
 from eagle3ops.data.prepare import write_tokenized
@@ -27,6 +26,7 @@ from eagle3ops.modeling.target import TargetError, load_target
 from eagle3ops.training.data import assemble, assembled_ahead, rank_share, remaining_batches, schedule
 from eagle3ops.training.distributed import World
 from eagle3ops.training.loop import Recipe, train_drafter
+from helpers import OUTSIDE_ENV, isolate
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -73,8 +73,8 @@ for n in torch.randint(6, 30, (26,), generator=generator).tolist():
                     "aux_hidden": torch.randn(n, 3 * H, generator=generator),
                     "final_hidden": torch.randn(n, H, generator=generator)})
 head = torch.randn(V, H, generator=generator)
-optim = DrafterTrainConfig(epochs=2, batch_size=2, packed_length=44, lr=1e-3, ttt_steps=3, log_every=1,
-                           checkpoint_every=4)  # 11 rows an epoch: the last global batch has one
+optim = DrafterTrainConfig(epochs=2, batch_size=2, packed_length=44, lr=1e-3, optimizer="adamw", ttt_steps=3,
+                           log_every=1, checkpoint_every=4)  # 11 rows an epoch: the last global batch has one
 with distributed.process_group(torch.device("cpu")) as (world, device):
     resume = ResumePoint(out / "resume.pt")
 
@@ -198,7 +198,8 @@ def test_each_step_runs_its_forward_with_the_last_steps_gradients_released():
         return fuse(aux_hidden)
 
     draft.fuse = fuse_and_record
-    optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=16, ttt_steps=2, checkpoint_every=0)
+    optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=16, lr=1e-4, optimizer="adamw", ttt_steps=2,
+                               checkpoint_every=0)
     train_drafter(Recipe(draft, samples, [], torch.randn(V, H), optim, 0, torch.device("cpu")))
     assert len(held_at_forward) > 2 and not any(held_at_forward)
 

@@ -62,7 +62,7 @@ def test_bytes_per_token():
 
 
 @pytest.fixture(scope="module")
-def extracted(tmp_path_factory, tiny_target_dir, prepared) -> dict[str, Path]:
+def extracted(tmp_path_factory, tiny_target_dir, prepared) -> dict[str, Path]:  # noqa: F811 (the fixture)
     model = load_target(TargetConfig(path=str(tiny_target_dir), aux_layers=AUX, device="cpu"))
     root = tmp_path_factory.mktemp("features")
     for dtype in ("float32", FP8):
@@ -117,7 +117,8 @@ def test_training_on_fp8_shards_is_training_on_their_dequantised_states(extracte
                 "aux_hidden": decode(s, "aux_hidden", torch.float32),
                 "final_hidden": decode(s, "final_hidden", torch.float32)} for s in quantised]
     head = torch.randn(300, 32, generator=torch.Generator().manual_seed(1))
-    optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=64, ttt_steps=3, log_every=1, checkpoint_every=0)
+    optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=64, lr=1e-4, optimizer="adamw", ttt_steps=3,
+                               log_every=1, checkpoint_every=0)
 
     def losses(samples):
         torch.manual_seed(0)

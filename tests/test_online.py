@@ -11,7 +11,6 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from helpers import micro_pipeline_repo, run
 from eagle3ops.config import ConfigError, TargetConfig, load_config
 from eagle3ops.data.prepare import read_tokenized
 from eagle3ops.errors import InputError
@@ -19,6 +18,7 @@ from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.target import load_target
 from eagle3ops.training.data import assemble, load_feature_samples, pack
 from eagle3ops.training.online import TargetStates, token_samples
+from helpers import micro_pipeline_repo, run
 from test_resume import ROOT, train_workspace
 
 AUX = [1, 2, 3]
@@ -200,8 +200,8 @@ def test_the_target_asked_ahead_by_a_thread_and_by_the_probe_in_turn(samples, mo
                 seen.append(torch.equal(own.final(), expected))
             return {}
 
-        optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=600, ttt_steps=2, log_every=1,
-                                   checkpoint_every=0)
+        optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=600, lr=1e-4, optimizer="adamw", ttt_steps=2,
+                                   log_every=1, checkpoint_every=0)
         head = torch.randn(model.config.vocab_size, 32, generator=torch.Generator().manual_seed(1))
         result, _ = loop.train_drafter(loop.Recipe(draft, tokens, [], head, optim, 0, torch.device("cpu"),
                                                    hidden_states=states), loop.Hooks(probe=probe, probe_every=1))

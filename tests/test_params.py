@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3ops.config import NOT_LINEAGE, Config, ConfigError, UndeclaredParamError, load_config
+from eagle3ops.config import Config, ConfigError, load_config
+from eagle3ops.tracking.stage_view import (
+    NOT_LINEAGE,
+    UndeclaredParamError,
+    for_stage,
+    stage_digest,
+    stage_params,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +42,7 @@ def same(a, b) -> bool:
 
 def disagreements(params: dict) -> list[str]:
     """Where a params tree and the schema's defaults differ: a key only one has, or another value."""
-    written, schema = flatten(params), Config().stage_params()
+    written, schema = flatten(params), stage_params(Config())
     return ([f"{key}: in params.yaml, not in the schema" for key in sorted(written.keys() - schema.keys())]
             + [f"{key}: in the schema, missing from params.yaml" for key in sorted(schema.keys() - written.keys())]
             + [f"{key}: params.yaml {written[key]!r}, schema {schema[key]!r}" for key in sorted(written.keys() & schema.keys())
@@ -67,7 +74,7 @@ def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path):
 
 
 def test_a_stage_reads_only_what_it_declares():
-    view = Config().for_stage("train@scratch", ["seed", "train", "target.id", "extract.out_dir"])
+    view = for_stage(Config(), "train@scratch", ["seed", "train", "target.id", "extract.out_dir"])
     assert view.train.lr == 0.003 and view.target.id and view.extract.out_dir == "data/features"
     assert view.target.device == "auto" and view.mlflow.experiment == "eagle3ops"  # NOT_LINEAGE: where it runs
     for read, key in ((lambda: view.eval.k, "eval"), (lambda: view.target.path, "target.path"),
@@ -75,27 +82,27 @@ def test_a_stage_reads_only_what_it_declares():
         with pytest.raises(UndeclaredParamError, match=rf"train@scratch reads params key '{key}', which its entry in "
                                                        rf"dvc.yaml does not declare"):
             read()
-    assert set(view.stage_params()) == {key for key in Config().stage_params()
+    assert set(stage_params(view)) == {key for key in stage_params(Config())
                                          if key.split(".")[0] in ("seed", "train", "vllm", "hardware", "mlflow", "threads")
                                          or key in ("target.id", "extract.out_dir", *NOT_LINEAGE)}
 
 
 def test_resume_key_ignores_keys_the_stage_does_not_read(tmp_path):
     declared = ["seed", "train", "pipeline.hidden_states_dep"]
-    digest = load_config(ROOT / "params.yaml").for_stage("train@scratch", declared).stage_digest()
+    digest = stage_digest(for_stage(load_config(ROOT / "params.yaml"), "train@scratch", declared))
     for unrelated in ("eval.k=5", "report.out_dir=elsewhere", "target.device=cpu", "mlflow.experiment=other"):
-        assert load_config(ROOT / "params.yaml", [unrelated]).for_stage("train@scratch", declared).stage_digest() == digest
+        assert stage_digest(for_stage(load_config(ROOT / "params.yaml", [unrelated]), "train@scratch", declared)) == digest
     moved = ["extract.out_dir=data/other", "pipeline.hidden_states_dep=data/other"]
     for related in (["train.lr=0.1"], ["seed=3"], moved):
-        assert load_config(ROOT / "params.yaml", related).for_stage("train@scratch", declared).stage_digest() != digest
+        assert stage_digest(for_stage(load_config(ROOT / "params.yaml", related), "train@scratch", declared)) != digest
 
 
 def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypatch, capsys):
     """`eagle3ops report` in a project whose dvc.yaml writes the report's directory literally instead of through
     ${report.out_dir} and declares none of the report's own params: the stage's first read of report.out_dir stops
     it, naming the key."""
-    from helpers import isolate
     from eagle3ops import cli
+    from helpers import isolate
 
     isolate(monkeypatch, tmp_path)
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())

@@ -39,8 +39,8 @@ draft.t2d.fill_(True)
 samples = [{"input_ids": torch.randint(0, V, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
             "aux_hidden": torch.randn(n, 3 * H), "final_hidden": torch.randn(n, H)} for n in range(8, 40)]
 head = torch.randn(V, H)
-optim = DrafterTrainConfig(epochs=4, batch_size=1, packed_length=96, lr=1e-3, ttt_steps=3, log_every=2,
-                           checkpoint_every=3)
+optim = DrafterTrainConfig(epochs=4, batch_size=1, packed_length=96, lr=1e-3, optimizer="adamw", ttt_steps=3,
+                           log_every=2, checkpoint_every=3)
 resume = ResumePoint(Path(resume_path)) if resume_path != "-" else None
 saved = resume.load() if resume else None
 result, state = train_drafter(Recipe(draft, samples, samples[:4], head, optim, 0, torch.device("cpu")),

@@ -5,9 +5,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3ops.config import DrafterTrainConfig, DraftShapeConfig
-from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate
 from eagle3ops.extraction.hf import extract_features
+from eagle3ops.spec_settings import SpecSettings
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import new_drafter
 from eagle3ops.training.loop import Hooks, Recipe, train_drafter
@@ -45,7 +45,8 @@ def test_simulated_tau_is_the_eval_tau_of_the_trained_drafter(tmp_path):
     settings = SpecSettings(k=3)
     simulator = AcceptanceSimulator(target, prompts, settings, max_new_tokens=12, eos_ids=set(), seed=0)
     logged: list[tuple[int, dict]] = []
-    optim = DrafterTrainConfig(epochs=30, batch_size=1, packed_length=80, lr=1e-2, ttt_steps=3, log_every=60)
+    optim = DrafterTrainConfig(epochs=30, batch_size=1, packed_length=80, lr=1e-2, optimizer="adamw", ttt_steps=3,
+                               log_every=60)
     recipe = Recipe(draft, features, [], target.lm_head.weight.detach(), optim, 0, torch.device("cpu"))
     result, _ = train_drafter(recipe, Hooks(log=lambda step, m: logged.append((step, m)), probe=simulator,
                                             probe_every=60))

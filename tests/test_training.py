@@ -111,7 +111,8 @@ def test_a_held_out_sample_longer_than_a_row_stops_the_run_before_its_first_step
     draft.fuse = lambda aux: steps.append(1) or fuse(aux)
     samples = [{"input_ids": torch.randint(0, 24, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
                 "aux_hidden": torch.randn(n, 48), "final_hidden": torch.randn(n, 16)} for n in (9, 7, 30)]
-    optim = DrafterTrainConfig(epochs=1, batch_size=1, packed_length=16, ttt_steps=2, checkpoint_every=0)
+    optim = DrafterTrainConfig(epochs=1, batch_size=1, packed_length=16, lr=1e-4, optimizer="adamw", ttt_steps=2,
+                               checkpoint_every=0)
     with pytest.raises(InputError, match="train.packed_length 16 is shorter than a sample of 30 tokens"):
         train_drafter(Recipe(draft, samples[:2], samples[2:], torch.randn(24, 16), optim, 0, torch.device("cpu")))
     assert not steps
@@ -127,7 +128,8 @@ def test_a_run_reports_the_padded_share_of_its_rows():
     draft.t2d.fill_(True)
     samples = [{"input_ids": torch.randint(0, 24, (n,)), "loss_mask": torch.ones(n, dtype=torch.uint8),
                 "aux_hidden": torch.randn(n, 48), "final_hidden": torch.randn(n, 16)} for n in (9, 7, 12, 5, 10)]
-    optim = DrafterTrainConfig(epochs=2, batch_size=2, packed_length=16, ttt_steps=2, checkpoint_every=0)
+    optim = DrafterTrainConfig(epochs=2, batch_size=2, packed_length=16, lr=1e-4, optimizer="adamw", ttt_steps=2,
+                               checkpoint_every=0)
     result, _ = train_drafter(Recipe(draft, samples, [], torch.randn(24, 16), optim, 0, torch.device("cpu")))
     rows = sum(len(batch) for epoch in schedule(samples, 16, 2, 0, 2) for batch in epoch)
     assert result.tokens == 2 * 43 and result.padding_share == pytest.approx(1 - 86 / (rows * 16))
@@ -145,8 +147,8 @@ def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterru
     from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
 
     settings = {key: value for key, value in variant.items() if key != "eagle31"}
-    optim = DrafterTrainConfig(epochs=3, batch_size=2, packed_length=48, lr=3e-3, ttt_steps=3, log_every=1,
-                               checkpoint_every=2, **settings)
+    optim = DrafterTrainConfig(**{"epochs": 3, "batch_size": 2, "packed_length": 48, "ttt_steps": 3, "log_every": 1,
+                                  "checkpoint_every": 2, "optimizer": "adamw", **settings})
     generator = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(0, 24, (n,), generator=generator),
                 "loss_mask": torch.ones(n, dtype=torch.uint8), "aux_hidden": torch.randn(n, 48, generator=generator),

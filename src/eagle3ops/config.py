@@ -5,18 +5,13 @@ the two equal): DVC tracks params.yaml key by key, so a default written only her
 `load_config` rejects, before any work starts and naming the file and the key (or the line): YAML that does not
 parse, an unknown key, a value of the wrong type or outside its choices, and values that cannot work together.
 
-Each stage reads the config through `Config.for_stage`: the keys its dvc.yaml entry declares, the keys its paths
-interpolate, and the keys of NOT_LINEAGE. Reading any other key raises UndeclaredParamError naming it, so a
-stage never depends on a value whose change would not re-run it.
+The schema only: each stage reads the config as its dvc.yaml entry lets it (tracking/stage_view.py).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
-import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -26,16 +21,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle3ops.decoding.settings import DRAFT_SAMPLE_METHODS, DecodingError, SpecSettings
 from eagle3ops.errors import InputError
+from eagle3ops.spec_settings import DRAFT_SAMPLE_METHODS, DecodingError, SpecSettings
 
 
 class ConfigError(InputError):
     """A params file that does not fit the schema."""
-
-
-class UndeclaredParamError(InputError):
-    """A stage read a params key that its dvc.yaml entry does not declare."""
 
 
 def choices(name: str, *values: str) -> type[StrEnum]:
@@ -64,22 +55,8 @@ ExportFormat = choices("ExportFormat", "sglang", "speculators")
 ExportDrafter = choices("ExportDrafter", "champion", *(str(init) for init in TrainInit))
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
 
-# Where and how the stages run, not what they compute: no stage declares these, and changing one re-runs nothing
-# (`dvc repro --force` or `dvc exp run --force` measures the same pipeline on other hardware).
-NOT_LINEAGE = ("threads", "target.device", "target.device_map", "target.max_memory", "vllm", "hardware", "mlflow")
-
-
 class Section:
-    """A params section. In a stage's view (`Config.for_stage`) reading a key the stage has not declared raises."""
-
-    def __getattribute__(self, name: str) -> Any:
-        hidden = object.__getattribute__(self, "__dict__").get("_undeclared")
-        if hidden is not None and name in hidden[1]:
-            stage, key = hidden[0], hidden[1][name]
-            raise UndeclaredParamError(f"{stage} reads params key '{key}', which its entry in dvc.yaml does not "
-                                       f"declare: add it to the stage's params, or a change to it would not re-run "
-                                       f"the stage")
-        return object.__getattribute__(self, name)
+    """A params section (a dataclass), with the checks of its values."""
 
     def check(self) -> Iterator[tuple[str, str]]:
         """(field, reason) for every value of this section that cannot work."""
@@ -141,11 +118,11 @@ class DraftShapeConfig(Section):
 class DrafterTrainConfig(Section):
     """Drafter training: AdamW (or Muon for the matrices), linear warmup then cosine decay, gradient clipping, and
     the training-time test (TTT): `ttt_steps` draft steps, each step's loss weighted by loss_decay**k."""
-    epochs: int = 1
+    epochs: int = 6
     max_steps: Optional[int] = None  # stop early after this many optimizer steps
     batch_size: int = 2  # packed rows a step: the global batch, shared by the ranks
     packed_length: int = 384  # tokens a packed row: whole samples one after another, the tail padded
-    lr: float = 1e-4
+    lr: float = 3e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     warmup_ratio: float = 0.015
@@ -156,8 +133,9 @@ class DrafterTrainConfig(Section):
     loss_decay: float = 0.8
     # fixed: every TTT step at the sample's positions; raised: step k at t + k, as vLLM and SGLang draft
     ttt_positions: TTTPositions = TTTPositions.fixed
-    # muon: torch.optim.Muon for the 2-D weights but lm_head, AdamW for the rest (training/optimizers.py)
-    optimizer: Optimizer = Optimizer.adamw
+    # muon: torch.optim.Muon for the 2-D weights but lm_head, AdamW for the rest (training/optimizers.py). What
+    # measured best on the embedded default (docs/training.md, "Variants")
+    optimizer: Optimizer = Optimizer.muon
     muon_lr: Optional[float] = None  # null = lr: Muon's updates are scaled to AdamW's size (match_rms_adamw)
     draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)
 
@@ -193,7 +171,9 @@ class ZooConfig(Section):
     target: TinyLlamaConfig = field(default_factory=TinyLlamaConfig)
     predecessor_training: LMTrainConfig = field(default_factory=LMTrainConfig)
     successor_training: LMTrainConfig = field(default_factory=lambda: LMTrainConfig(steps=300, lr=2e-3))
-    drafter_training: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(epochs=4, lr=3e-3))
+    # the "published" drafter: trained with AdamW, as the predecessor's would have been
+    drafter_training: DrafterTrainConfig = field(
+        default_factory=lambda: DrafterTrainConfig(epochs=4, optimizer=Optimizer.adamw))
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from _outputs_inside_project(self, "dir", "data_dir")
@@ -357,11 +337,6 @@ class TrainConfig(DrafterTrainConfig):
     online_engine: OnlineEngine = OnlineEngine.hf
     # a server started with the hidden-states capture (docs/team.md); it writes to a directory this process reads
     online_url: Optional[str] = None
-    epochs: int = 6
-    lr: float = 3e-3
-    # What measured best on the embedded default (docs/training.md, "Variants"); the zoo's own drafter, the
-    # "published" one, keeps AdamW
-    optimizer: Optimizer = Optimizer.muon
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from super().check()
@@ -377,7 +352,7 @@ class TrainConfig(DrafterTrainConfig):
 
 @dataclass
 class PromptSetConfig(Section):
-    """One named benchmark set: a JSONL or Parquet file of prompts or conversations (data/benchmarks.py)."""
+    """One named benchmark set: a JSONL or Parquet file of prompts or conversations (data/prompt_sets.py)."""
     name: str = ""
     path: str = ""
     # one of PromptSetFormat, null = from the first record's fields; a str checked by EvalConfig.check, since
@@ -411,7 +386,7 @@ class EvalConfig(Section):
     engine_tolerance: float = 0.02
     concurrency: int = 8  # engine backends and eval.engine: requests in flight at once
     temperature: float = 0.0  # 0 = greedy (checked token for token against the target); sampled keeps its distribution
-    # hf backend (decoding/settings.py says more): the target's nucleus; tree branching and tokens per
+    # hf backend (spec_settings.py says more): the target's nucleus; tree branching and tokens per
     # verification, root included (SGLang's --speculative-eagle-topk, --speculative-num-draft-tokens; null =
     # k + 1 for a chain, 1 + k * topk for a tree); drafts greedy | probabilistic (vLLM's draft_sample_method)
     top_p: float = 1.0
@@ -561,87 +536,6 @@ class Config(Section):
         if self.extract.backend == ExtractBackend("import") and Path(self.extract.import_dir) == Path(self.prepare.out_dir):
             yield "extract.import_dir", (f"still names the prepared data ({self.prepare.out_dir}); with backend import "
                                          f"point it at the serving engine's output")
-
-    def for_stage(self, stage: str, readable: Iterable[str]) -> Config:
-        """This config as `stage` may read it: the keys of `readable` (dotted; a section stands for all its keys)
-        and of NOT_LINEAGE; reading any other raises UndeclaredParamError."""
-        readable = {*readable, *NOT_LINEAGE}
-        view = _restricted(self, "", stage, readable)
-        object.__setattr__(view, "_stage", (self, readable))
-        return view
-
-    def stage_params(self) -> dict[str, Any]:
-        """{dotted key: value} of every key the stage may read (all of them outside a stage's view); sections
-        are spelled out, other values kept whole (a list, a mapping)."""
-        full, readable = self.__dict__.get("_stage", (self, None))
-        flat = _flatten(full, "")
-        return flat if readable is None else {key: value for key, value in flat.items() if covered(key, readable)}
-
-    def pipeline_params(self, keys: Iterable[str]) -> dict[str, Any]:
-        """{dotted key: value} of `keys`, less NOT_LINEAGE, from the whole config, also in a stage's view: what a
-        pipeline run records about itself (on its MLflow parent run), never an input of a stage's own work."""
-        full, _ = self.__dict__.get("_stage", (self, None))
-        keys = set(keys)
-        return {key: value for key, value in _flatten(full, "").items()
-                if covered(key, keys) and not covered(key, NOT_LINEAGE)}
-
-    def digest(self) -> str:
-        """Short hash of the whole resolved config: equal digests mean the same parameters everywhere."""
-        full, _ = self.__dict__.get("_stage", (self, None))
-        return _digest(_flatten(full, ""))
-
-    def stage_digest(self) -> str:
-        """Short hash of the keys the stage may read, less NOT_LINEAGE: what its results depend on."""
-        return _digest({key: value for key, value in self.stage_params().items() if not covered(key, NOT_LINEAGE)})
-
-
-def _digest(values: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _plain(value: Any) -> Any:
-    """A value as params.yaml spells it: enums as their strings, sections in lists as mappings."""
-    if isinstance(value, Section):
-        return {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return str(value) if isinstance(value, StrEnum) else value
-
-
-def _flatten(section: Section, prefix: str) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for item in dataclasses.fields(section):
-        value = getattr(section, item.name)
-        if isinstance(value, Section):
-            flat.update(_flatten(value, f"{prefix}{item.name}."))
-        else:
-            flat[f"{prefix}{item.name}"] = _plain(value)
-    return flat
-
-
-def covered(key: str, readable: Iterable[str]) -> bool:
-    """Whether `key` is one of `readable` or inside a section of it."""
-    return any(key == name or key.startswith(f"{name}.") for name in readable)
-
-
-def _restricted(section: Section, prefix: str, stage: str, readable: set[str]) -> Section:
-    view = copy.copy(section)
-    hidden = {}
-    for item in dataclasses.fields(section):
-        key = f"{prefix}{item.name}"
-        if covered(key, readable):
-            continue
-        value = getattr(section, item.name)
-        if isinstance(value, Section) and any(name.startswith(f"{key}.") for name in readable):
-            object.__setattr__(view, item.name, _restricted(value, f"{key}.", stage, readable))
-        else:
-            hidden[item.name] = key
-    if hidden:
-        object.__setattr__(view, "_undeclared", (stage, hidden))
-    return view
-
 
 def _checks(section: Section, prefix: str) -> Iterator[tuple[str, str]]:
     """Every section's own checks, with the dotted key of what fails: the inner sections' first, so that a bad

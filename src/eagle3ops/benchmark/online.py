@@ -61,7 +61,7 @@ def bench_online(size: BenchSize, device: torch.device, work_dir: Path, epochs: 
     cfg = draft_config(arch, size.draft_vocab_size)
     lm_head = (torch.randn(cfg.vocab_size, hidden, generator=generator) * 0.02).to(torch.bfloat16)
     optim = DrafterTrainConfig(epochs=epochs, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
-                               log_every=1, checkpoint_every=0)
+                               optimizer="adamw", log_every=1, checkpoint_every=0)
     features_dir = work_dir / "online-features-bfloat16"
     stored = load_feature_samples(features_dir)
     result["offline"] = _timed_epochs(Recipe(random_drafter(cfg, seed=0), stored, [], lm_head, optim, 0, device))

@@ -85,7 +85,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     packed with `documents`; on a GPU bf16 weights with float32 masters, and the optimizers and TTT positions of
     `optim`, as the train stage runs."""
     documents = documents or [length]
-    optim = optim or DrafterTrainConfig(lr=1e-4, ttt_steps=ttt_steps)
+    optim = optim or DrafterTrainConfig(epochs=1, lr=1e-4, optimizer="adamw", ttt_steps=ttt_steps)
     draft = random_drafter(cfg, seed, kernel)
     cross_entropy = prepare_for_training(draft, device)
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
@@ -143,7 +143,7 @@ def bench_variants(arch: dict, draft_vocab_size: int, length: int, documents: li
     for name, (fields, eagle31) in VARIANTS.items():
         cfg = replace(draft_config(arch, draft_vocab_size), fc_norm=eagle31, norm_output=eagle31)
         bench = bench_train(cfg, 1, length, steps, device, kernel, documents=documents,
-                            optim=DrafterTrainConfig(lr=1e-4, **fields))
+                            optim=DrafterTrainConfig(**{"epochs": 1, "lr": 1e-4, "optimizer": "adamw", **fields}))
         rows.append({"variant": name, **asdict(bench), "mfu": bench.tflops / peak_tflops})
         print(f"bench train variant {name}: {bench.tokens_per_s:,.0f} tok/s, {bench.step_ms} ms a step, peak "
               f"{bench.steady_peak_gib} GiB", flush=True)
@@ -199,7 +199,7 @@ def run_data_parallel_bench(size_name: str, device: torch.device) -> dict | None
         samples = random_features(cfg, global_batch * size.data_parallel_steps, size.train_seq_len, 2 * global_batch)
         lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
         optim = DrafterTrainConfig(epochs=1, batch_size=global_batch, packed_length=size.train_seq_len, lr=1e-4,
-                                   log_every=1, checkpoint_every=0)  # a sample a row
+                                   optimizer="adamw", log_every=1, checkpoint_every=0)  # a sample a row
         runs = [time_training(cfg, samples, lm_head, optim, device, distributed.World())] if world.main else []
         distributed.wait_for_main(world)
         runs.append(time_training(cfg, samples, lm_head, optim, device, world))

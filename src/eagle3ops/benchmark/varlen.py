@@ -82,7 +82,7 @@ def train_from_process_start(size_name: str, out: str) -> None:
     made_features = time.time()
     draft = random_drafter(cfg, seed=0)
     optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
-                               log_every=1, checkpoint_every=0)
+                               optimizer="adamw", log_every=1, checkpoint_every=0)
     stamps: list[tuple[float, int]] = []  # (wall clock, epoch) at the end of each step: logging reads the loss back
     hooks = Hooks(log=lambda step, row: stamps.append((time.time(), int(row["train/epoch"]))),
                   desc="bench train-varlen")

@@ -18,7 +18,7 @@ import inspect
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from eagle3ops.decoding.settings import DecodingError
+from eagle3ops.spec_settings import DecodingError
 
 MASKED_ATTENTION = ("sdpa", "eager")  # the implementations that apply a custom 4D mask
 

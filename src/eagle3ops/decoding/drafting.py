@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3ops.decoding.sampling import draft_probs, sample
-from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.tree import Candidates, DraftTree
 from eagle3ops.modeling.draft import Eagle3Draft, KVCache
+from eagle3ops.spec_settings import SpecSettings
 
 
 @dataclass

@@ -30,10 +30,10 @@ from transformers import DynamicCache, PreTrainedModel
 from eagle3ops.decoding.batching import TargetBatch, cache_kwarg
 from eagle3ops.decoding.drafting import DraftState, propose
 from eagle3ops.decoding.sampling import rejection_sample, sample, target_probs
-from eagle3ops.decoding.settings import DecodingError, SpecSettings
 from eagle3ops.decoding.tree import DraftTree
 from eagle3ops.modeling.draft import Eagle3Draft
 from eagle3ops.modeling.target import capture
+from eagle3ops.spec_settings import DecodingError, SpecSettings
 
 
 @dataclass

@@ -3,17 +3,25 @@
 A drafter learns to predict its target; answers written by some other model teach it the wrong thing. Turns
 are regenerated in order, each one conditioned on the turns regenerated before it, batched across
 conversations (left-padded, length-sorted).
+
+`regenerate_in_chunks` makes it resumable: conversations in fixed chunks, each written whole to a work directory
+and seeded by its index; a run killed midway keeps the finished chunks, and since a chunk's batches never depend
+on what ran before, the result equals an uninterrupted run.
 """
 from __future__ import annotations
 
 import copy
+import json
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from eagle3ops.data.chat import prompt_ids
+from eagle3ops.data.conversations import read_jsonl
+from eagle3ops.fs import write_json_atomic, write_jsonl_atomic
 from eagle3ops.progress import progress
 
 
@@ -25,6 +33,41 @@ class GenerateStats:
     unfinished: int = 0  # hit max_new_tokens before the end-of-turn token
     decode_steps: int = 0  # sequential forwards of the target: each batch decodes until its longest answer ends
     wall_s: float = 0.0
+
+    def add(self, other: GenerateStats) -> None:
+        self.turns, self.new_tokens = self.turns + other.turns, self.new_tokens + other.new_tokens
+        self.unfinished, self.decode_steps = self.unfinished + other.unfinished, self.decode_steps + other.decode_steps
+        self.wall_s += other.wall_s
+
+
+def regenerate_in_chunks(model, tokenizer, conversations: list[dict], chunk_size: int, batch_size: int,
+                         max_new_tokens: int, temperature: float, seed: int, work: Path
+                         ) -> tuple[list[dict], GenerateStats, float | None]:
+    """`regenerate` chunk by chunk (chunk i seeded with seed + i), each chunk kept in `work` once finished and
+    taken from there on a later run. Returns the conversations, the totals, and the throughput of the chunks this
+    run generated (new tokens a second; None when all were finished before)."""
+    chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
+    total, regenerated, fresh_tokens = GenerateStats(conversations=len(conversations)), [], 0
+    finished = sum((work / f"chunk-{i:05d}.jsonl").is_file() for i in range(len(chunks)))
+    if finished:
+        print(f"generate: resuming after {finished} of {len(chunks)} finished chunks", flush=True)
+    turns = sum(m["role"] == "assistant" for c in conversations for m in c["messages"])
+    with progress(turns, "generate", "turn") as bar:
+        for index, chunk in enumerate(chunks):
+            path, stats_path = work / f"chunk-{index:05d}.jsonl", work / f"chunk-{index:05d}.json"
+            if path.is_file():  # finished before an interruption; its throughput belongs to that run
+                done = [record for _, record in read_jsonl(path)]
+                stats = GenerateStats(**{**json.loads(stats_path.read_text()), "wall_s": 0.0})
+                bar.update(stats.turns)
+            else:
+                done, stats = regenerate(model, tokenizer, chunk, batch_size, max_new_tokens, temperature,
+                                         seed + index, bar)
+                write_json_atomic(stats_path, asdict(stats))
+                write_jsonl_atomic(path, done)  # last: its presence marks the chunk finished
+                fresh_tokens += stats.new_tokens
+            total.add(stats)
+            regenerated.extend(done)
+    return regenerated, total, (fresh_tokens / total.wall_s if total.wall_s else None)
 
 
 @torch.no_grad()

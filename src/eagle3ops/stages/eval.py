@@ -2,8 +2,6 @@
 overall, and losslessness. eval.backend hf decodes here and, with eval.engine vllm, measures the drafter on vLLM
 too, side by side (decoding/served.py); vllm | sglang measure on a server only (decoding/engines.py)."""
 import hashlib
-import time
-from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
@@ -13,12 +11,12 @@ from eagle3ops.config import Config
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.data.prompt_sets import load_sets
 from eagle3ops.decoding.engines import measure
+from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare
 from eagle3ops.decoding.served import Served, check_agreement, check_servable, measure_on_vllm, side_by_side
-from eagle3ops.decoding.settings import SpecSettings
-from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
+from eagle3ops.decoding.speculative import AcceptanceStats
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
-from eagle3ops.progress import progress
+from eagle3ops.spec_settings import SpecSettings
 from eagle3ops.tracking import hardware
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
@@ -29,21 +27,6 @@ from eagle3ops.tracking.run import stage_run
 def drafter_path(cfg: Config, drafter: str) -> Path:
     """baseline = the existing drafter used as-is on the new target; otherwise our trained one."""
     return Path(cfg.train.warm_start) if drafter == "baseline" else Path(cfg.train.out_dir) / drafter
-
-
-def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceStats], prompts_by_set: dict[str, int],
-                      per_prompt: list[AcceptanceStats] | None = None, seed: int = 0) -> dict:
-    """tau, per-position acceptance and counts, overall and per prompt set: what every backend reports; and, where
-    each prompt's counts are known (the hf backend), tau's 95% bootstrap interval over the prompts."""
-    interval = {}
-    if per_prompt:
-        low, high = tau_interval(per_prompt, seed=seed)
-        interval = {"tau_ci_low": round(low, 4), "tau_ci_high": round(high, 4)}
-    return {"tau": round(overall.tau, 4), **interval,
-            **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
-            "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
-            "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
-            "prompts_by_set": prompts_by_set}
 
 
 def run(cfg: Config, drafter: str) -> None:
@@ -63,37 +46,16 @@ def run(cfg: Config, drafter: str) -> None:
                 check_servable(cfg.target.path, draft.cfg.head_dim)
             sets = load_sets(cfg.eval.sets, cfg.eval.max_prompts)
             prompts = [prompt for set_prompts in sets.values() for prompt in set_prompts]
-        eos = {tokenizer.eos_token_id}
-        settings, batch_size = SpecSettings.from_config(cfg.eval), cfg.eval.batch_size
-        overall, per_set = AcceptanceStats(cfg.eval.k), defaultdict(lambda: AcceptanceStats(cfg.eval.k))
-        per_prompt, target_outputs = [], {}
-        mismatched, spec_s, plain_s, spec_tokens, plain_tokens, in_vocab = [], 0.0, 0.0, 0, 0, 0
-        with tracked.phase("decode"), progress(len(prompts), f"eval@{drafter}", "prompt") as bar:
-            for first in range(0, len(prompts), batch_size):
-                chunk = prompts[first : first + batch_size]
-                ids = [prompt_ids(tokenizer, prompt["messages"]) for prompt in chunk]
-                seed = cfg.seed + first  # prompt i samples with seed + i, whatever the batch size
-                start = time.perf_counter()
-                generations = speculative_generate(target, draft, ids, settings, cfg.eval.max_new_tokens, eos, seed)
-                spec_s += time.perf_counter() - start
-                start = time.perf_counter()  # the baseline: the target alone, same batch and sampling
-                references = target_generate(target, ids, cfg.eval.max_new_tokens, eos, settings.temperature,
-                                             settings.top_p, seed)
-                plain_s += time.perf_counter() - start
-                for prompt, generation, reference in zip(chunk, generations, references):
-                    target_outputs[prompt["id"]] = reference
-                    spec_tokens, plain_tokens = spec_tokens + len(generation.tokens), plain_tokens + len(reference)
-                    in_vocab += int(draft.t2d[torch.tensor(reference)].sum())
-                    if settings.greedy and generation.tokens != reference:  # sampled runs differ by design
-                        mismatched.append(prompt["id"])
-                    overall.merge(generation.stats)
-                    per_set[prompt["set"]].merge(generation.stats)
-                    per_prompt.append(generation.stats)
-                bar.update(len(chunk))
+        settings = SpecSettings.from_config(cfg.eval)
+        with tracked.phase("decode"):
+            measured = decode_and_compare(target, draft, tokenizer, prompts, settings, cfg.eval.max_new_tokens,
+                                          cfg.eval.batch_size, cfg.seed, f"eval@{drafter}")
+        mismatched = measured.mismatched
         if mismatched:
             tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
-        fields = acceptance_fields(overall, per_set, {name: len(set_prompts) for name, set_prompts in sets.items()},
-                                   per_prompt, cfg.seed)
+        fields = acceptance_fields(measured.overall, measured.per_set,
+                                   {name: len(set_prompts) for name, set_prompts in sets.items()}, measured.per_prompt,
+                                   cfg.seed)
         size = model_size(target)
         if cfg.eval.engine:
             del target, draft  # vLLM loads the target again, in its own process: leave it the device's memory
@@ -105,20 +67,21 @@ def run(cfg: Config, drafter: str) -> None:
                                          partial(prompt_ids, tokenizer), cfg.eval.k, cfg.eval.max_new_tokens,
                                          settings.temperature, cfg.eval.concurrency, cfg.seed, drafter,
                                          target_alone=drafter == "baseline")
-            fields["vllm"] = _served_fields(cfg, served, target_outputs if settings.greedy else None)
+            fields["vllm"] = _served_fields(cfg, served, measured.target_outputs if settings.greedy else None)
             if settings.greedy:
-                check_agreement(side_by_side(overall, served.overall(cfg.eval.k), per_set,
+                check_agreement(side_by_side(measured.overall, served.overall(cfg.eval.k), measured.per_set,
                                              {name: m.stats for name, m in served.with_drafter.items()}),
                                 cfg.eval.engine_tolerance, drafter)
         _register(cfg, tracked, drafter, path, fields, identity,
                   ("no" if mismatched else "yes") if settings.greedy else "not checked")
         _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
-            **size, "emitted_tokens": spec_tokens, "prompts": len(prompts), **fields,
+            **size, "emitted_tokens": measured.spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
             **({"lossless": not mismatched, "mismatched_prompts": len(mismatched)} if settings.greedy else {}),
-            "draft_vocab_coverage": round(in_vocab / max(1, plain_tokens), 4),  # target tokens it can draft at all
-            "spec_tokens_per_s": round(spec_tokens / spec_s, 1), "target_tokens_per_s": round(plain_tokens / plain_s, 1),
+            "draft_vocab_coverage": round(measured.draft_vocab_coverage, 4),  # target tokens it can draft at all
+            "spec_tokens_per_s": round(measured.spec_tokens / measured.spec_s, 1),
+            "target_tokens_per_s": round(measured.plain_tokens / measured.plain_s, 1),
         })
 
 

@@ -24,6 +24,7 @@ from eagle3ops.resume import resume_point
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
+from eagle3ops.tracking.stage_view import stage_digest
 
 
 def run(cfg: Config) -> None:
@@ -31,7 +32,7 @@ def run(cfg: Config) -> None:
     importing = cfg.extract.backend == "import"
     inputs = [prepared, cfg.target.path, *([cfg.extract.import_dir] if importing else [])]
     with stage_run(cfg, "extract", inputs=inputs, extra_params=identity_params(cfg.target)) as tracked:
-        work = resume_point("extract", {"params": cfg.stage_digest(), "inputs": tracked.input_md5s}).path.with_suffix("")
+        work = resume_point("extract", {"params": stage_digest(cfg), "inputs": tracked.input_md5s}).path.with_suffix("")
         produce = {"hf": _extract, "vllm": _extract_vllm, "import": _import}[str(cfg.extract.backend)]
         counters = produce(cfg, prepared, work, tracked)
         out = Path(cfg.extract.out_dir)

@@ -18,6 +18,7 @@ from eagle3ops.reporting.summary import (
     plot_tau_by_set,
     tau_by_set_table,
 )
+from eagle3ops.tracking import stage_view
 from eagle3ops.tracking.lineage import params_overrides, pipeline_params
 from eagle3ops.tracking.metrics import HEADLINE, PLOTS_DIR, destination, read_metrics
 from eagle3ops.tracking.run import stage_run
@@ -50,7 +51,7 @@ def _describe_pipeline(cfg: Config, tracked, metrics: dict[str, dict], text: str
     """The pipeline run's headline, params, report and lineage on its parent run, and the stages DVC skipped."""
     overrides = params_overrides(tracked.root)
     tracked.log_pipeline(pipeline_metrics(metrics), {
-        **cfg.pipeline_params(pipeline_params(tracked.root)),
+        **stage_view.pipeline_params(cfg, pipeline_params(tracked.root)),
         "overrides": "; ".join(f"{key}={value}" for key, value in sorted(overrides.items())) or "none"}, text)
     tracked.log_pipeline_artifact(Path(cfg.report.out_dir), "report")
     tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run

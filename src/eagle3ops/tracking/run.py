@@ -26,8 +26,8 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric
 
-from eagle3ops.config import NOT_LINEAGE, Config, covered
-from eagle3ops.tracking import hardware
+from eagle3ops.config import Config
+from eagle3ops.tracking import hardware, stage_view
 from eagle3ops.tracking.lineage import (
     git_state,
     input_md5s,
@@ -254,7 +254,7 @@ def stage_run(
     uri = tracking_uri(cfg)
     commit, dirty = git_state(root)
     dvc_stage = os.environ.get("DVC_STAGE") or (f"{stage}@{variant}" if variant else stage)
-    digest = cfg.digest()
+    digest = stage_view.digest(cfg)
     exp_name = os.environ.get("DVC_EXP_NAME")
     key = exp_name or _invocation_key() or hashlib.sha256(f"{commit}{digest}".encode()).hexdigest()[:12]
     shared = {PIPELINE_KEY_TAG: key, "eagle3ops.git_commit": commit, "eagle3ops.params_digest": digest}
@@ -278,8 +278,8 @@ def stage_run(
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},
     }
     # What the stage's results depend on: the params it declares (not where it ran), and the target's identity
-    params = {**{key: _param_text(value) for key, value in cfg.stage_params().items()
-                 if not covered(key, NOT_LINEAGE)},
+    params = {**{key: _param_text(value) for key, value in stage_view.stage_params(cfg).items()
+                 if not stage_view.covered(key, stage_view.NOT_LINEAGE)},
               **{key: _param_text(str(value)) for key, value in (extra_params or {}).items()}}
     record = {"experiment": cfg.mlflow.experiment, "pipeline_key": key, "parent_name": name, "parent_tags": shared,
               "run_name": f"{dvc_stage} · {name}", "tags": tags, "params": params,

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from eagle3ops.decoding.settings import SpecSettings
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate
 from eagle3ops.modeling.draft import Eagle3Draft
+from eagle3ops.spec_settings import SpecSettings
 
 
 def held_out_prompts(samples: list[dict], count: int) -> list[list[int]]:

@@ -1,0 +1,82 @@
+"""The eval stage's measurement on the hf backend: each prompt decoded speculatively and by the target alone, in
+batches, with the same seed and sampling; acceptance overall, per prompt set and per prompt, losslessness
+(greedy: the two outputs token for token) and the speed of each.
+
+    measured = decode_and_compare(target, draft, tokenizer, prompts, settings, max_new_tokens, batch_size, seed, desc)
+    fields = acceptance_fields(measured.overall, measured.per_set, prompts_by_set, measured.per_prompt, seed)
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3ops.data.chat import prompt_ids
+from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
+from eagle3ops.progress import progress
+from eagle3ops.spec_settings import SpecSettings
+
+
+@dataclass
+class Compared:
+    overall: AcceptanceStats
+    per_set: dict[str, AcceptanceStats]
+    per_prompt: list[AcceptanceStats] = field(default_factory=list)
+    target_outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id -> the target's own tokens
+    mismatched: list[str] = field(default_factory=list)  # greedy: prompts whose output is not the target's
+    spec_s: float = 0.0
+    plain_s: float = 0.0
+    spec_tokens: int = 0
+    plain_tokens: int = 0
+    in_draft_vocab: int = 0  # the target's tokens the draft vocabulary holds
+
+    @property
+    def draft_vocab_coverage(self) -> float:
+        return self.in_draft_vocab / max(1, self.plain_tokens)
+
+
+def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: SpecSettings, max_new_tokens: int,
+                       batch_size: int, seed: int, desc: str) -> Compared:
+    """Prompt i (of `prompts`, each {id, set, messages}) samples with seed + i, whatever the batch size."""
+    eos = {tokenizer.eos_token_id}
+    compared = Compared(AcceptanceStats(settings.k), defaultdict(lambda: AcceptanceStats(settings.k)))
+    with progress(len(prompts), desc, "prompt") as bar:
+        for first in range(0, len(prompts), batch_size):
+            chunk = prompts[first : first + batch_size]
+            ids = [prompt_ids(tokenizer, prompt["messages"]) for prompt in chunk]
+            start = time.perf_counter()
+            generations = speculative_generate(target, draft, ids, settings, max_new_tokens, eos, seed + first)
+            compared.spec_s += time.perf_counter() - start
+            start = time.perf_counter()  # the baseline: the target alone, same batch and sampling
+            references = target_generate(target, ids, max_new_tokens, eos, settings.temperature, settings.top_p,
+                                         seed + first)
+            compared.plain_s += time.perf_counter() - start
+            for prompt, generation, reference in zip(chunk, generations, references):
+                compared.target_outputs[prompt["id"]] = reference
+                compared.spec_tokens += len(generation.tokens)
+                compared.plain_tokens += len(reference)
+                compared.in_draft_vocab += int(draft.t2d[torch.tensor(reference)].sum())
+                if settings.greedy and generation.tokens != reference:  # sampled runs differ by design
+                    compared.mismatched.append(prompt["id"])
+                compared.overall.merge(generation.stats)
+                compared.per_set[prompt["set"]].merge(generation.stats)
+                compared.per_prompt.append(generation.stats)
+            bar.update(len(chunk))
+    return compared
+
+
+def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceStats], prompts_by_set: dict[str, int],
+                      per_prompt: list[AcceptanceStats] | None = None, seed: int = 0) -> dict:
+    """tau, per-position acceptance and counts, overall and per prompt set: what every backend reports; and, where
+    each prompt's counts are known (the hf backend), tau's 95% bootstrap interval over the prompts."""
+    interval = {}
+    if per_prompt:
+        low, high = tau_interval(per_prompt, seed=seed)
+        interval = {"tau_ci_low": round(low, 4), "tau_ci_high": round(high, 4)}
+    return {"tau": round(overall.tau, 4), **interval,
+            **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
+            "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
+            "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
+            "prompts_by_set": prompts_by_set}
