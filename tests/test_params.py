@@ -126,3 +126,16 @@ def test_the_training_variants_keys_are_checked_by_name(tmp_path, line, key):
     path.write_text("train:\n" + line)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(path)
+
+
+def test_scratch_declares_no_warm_start_key_and_warm_start_every_train_key():
+    """What dvc.yaml has each train variant depend on: scratch reads every train key but the warm start's (so a
+    warm-start experiment leaves it alone; tests/test_pipeline_e2e.py checks it with `dvc status`), warm_start all."""
+    from eagle3ops.tracking.lineage import declared_params
+
+    train_keys = {key for key in stage_params(Config()) if key.startswith("train.")}
+    warm_start_keys = {key for key in train_keys if key.startswith("train.warm_start")}
+    scratch = stage_params(for_stage(Config(), "train@scratch", declared_params(ROOT, "train@scratch")))
+    warm = stage_params(for_stage(Config(), "train@warm_start", declared_params(ROOT, "train@warm_start")))
+    assert train_keys - warm_start_keys <= set(scratch) and not warm_start_keys & set(scratch)
+    assert train_keys <= set(warm)

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,11 +23,11 @@ import yaml
 from mlflow import MlflowClient
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 from eagle3ops.decoding.engines import vllm_counters
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.runs.records import find_pipelines
 from eagle3ops.serving.server import free_port
+from helpers import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]  # as DVC names them
@@ -97,6 +98,28 @@ def test_repro_builds_every_stage(repo, first_run):
 def test_second_repro_is_a_no_op(repo, first_run):
     output = run(["dvc", "repro"], repo)
     assert ran_stages(output) == []
+    assert "Data and pipelines are up to date" in run(["dvc", "status"], repo)
+
+
+def test_each_warm_start_key_makes_only_the_warm_start_chain_stale(repo, first_run):
+    """Each key train@scratch does not read, changed alone: `dvc status` names train@warm_start (and, for the
+    predecessor's drafter, eval@baseline, which measures it), never train@scratch: a warm-start experiment re-trains
+    nothing else."""
+    shutil.copytree(repo / "models" / "zoo" / "predecessor-drafter", repo / "other-drafter")
+    changes = ["train.warm_start_vocab=keep", "train.warm_start_optimizer=true", "train.warm_start_min_coverage=0.5",
+               "train.warm_start=other-drafter"]
+    try:
+        for change in changes:
+            write_params(repo, [change])
+            stale = set(json.loads(run(["dvc", "status", "--json"], repo)))
+            expected = {"train@warm_start", "eval@baseline"} if change.startswith("train.warm_start=") else {
+                "train@warm_start"}
+            assert stale == expected, (change, stale)
+        write_params(repo, ["train.lr=0.001"])  # a key both read: both stale
+        assert set(json.loads(run(["dvc", "status", "--json"], repo))) == {"train@scratch", "train@warm_start"}
+    finally:
+        write_params(repo, [])
+        shutil.rmtree(repo / "other-drafter")
     assert "Data and pipelines are up to date" in run(["dvc", "status"], repo)
 
 

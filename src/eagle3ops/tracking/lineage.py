@@ -68,12 +68,13 @@ def _git_state_without_git(root: Path) -> tuple[str, bool]:
     return commit, any(map(counts, changed))
 
 
-INTERPOLATED = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*\}")  # ${train.out_dir}, ${item.init}, ${key}
+ITEM_FIELD = re.compile(r"\$\{\s*item\.(\w+)\s*\}")  # a foreach stage's own value: ${item.keys}
+INTERPOLATED = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*\}")  # ${train.out_dir}, ${item.from}, ${key}
 
 
 def stage_definition(root: Path, stage: str) -> dict | None:
-    """What dvc.yaml says of `stage` ("train@scratch": the `train` matrix; "eval@baseline": the `eval` foreach's
-    `do` and its item `baseline`), as written, or None when dvc.yaml has no such stage."""
+    """What dvc.yaml says of `stage` ("eval@baseline": the `eval` foreach's `do` and its item `baseline`), as
+    written, or None when dvc.yaml has no such stage."""
     path = root / "dvc.yaml"
     if not path.is_file():
         return None
@@ -95,9 +96,10 @@ def declared_params(root: Path, stage: str, params_file: str = "params.yaml") ->
     if entry is None:
         return None
     keys = set()
+    variant = entry.get("item") if isinstance(entry.get("item"), dict) else {}
     for item in entry.get("params") or []:
-        if isinstance(item, str):
-            keys.add(item)
+        if isinstance(item, str):  # a key, or ${item.keys}: the variant's own
+            keys.add(ITEM_FIELD.sub(lambda field: str(variant.get(field[1], field[0])), item))
         elif isinstance(item, dict):  # {other_params.yaml: [keys]}
             keys.update(key for file, listed in item.items() if file == params_file for key in listed or [])
     written = json.dumps({field: value for field, value in entry.items() if field != "params"})
