@@ -540,7 +540,7 @@ COMMANDS = (
             _project_arguments,
             "From a measured pilot pipeline run and hardware profiles (YAML, see eagle3ops/runs/profiles/), "
             "project each phase's wall time and the cost of a run of N samples on each target profile. "
-            "The model is documented in eagle3ops.runs.projection."),
+            "The model is documented in docs/runs.md, \"The model, phase by phase\"."),
     Command("bench", "extraction and training speed vs the machine's limits and a naive baseline (GPU or CPU)",
             _bench, _bench_arguments,
             "Build a target and a drafter of the chosen size with random weights, measure the machine's "

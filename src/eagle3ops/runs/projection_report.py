@@ -50,10 +50,11 @@ def render(projection: Projection) -> str:
         "",
         tabulate(table, headers, tablefmt="github", disable_numparse=True),
         "",
-        "Model (see eagle3ops.runs.projection): each phase's measured time is split over compute, HBM, interconnect and "
-        "disk in proportion to their ideal times on the pilot's profile (demand from the run's counters / "
-        "capacity), and each part is scaled by the capacity ratio and the work ratio. \"bound\" = the resource with "
-        "the largest ideal time on that profile. Cost = projected hours x the whole machine's price per hour.",
+        "Model (docs/runs.md, \"The model, phase by phase\"): each phase's measured time is split over compute, HBM, "
+        "interconnect, disk and the host's per-layer floor in proportion to their ideal times on the pilot's profile "
+        "(demand from the run's counters / capacity), and each part is scaled by the capacity ratio and the work "
+        "ratio; compiling is timed apart. \"bound\" = the resource with the largest ideal time on that profile. "
+        "Cost = projected hours x the whole machine's price per hour.",
     ]
     profiles = distinct([row.pilot for row in projection.rows] + targets)
     lines += ["", "Profiles (figures and sources in their notes):"]
