@@ -46,6 +46,7 @@ OnlineEngine = choices("OnlineEngine", "hf", "vllm")
 WarmStartVocab = choices("WarmStartVocab", "auto", "keep", "remap")
 TTTPositions = choices("TTTPositions", "fixed", "raised")
 Optimizer = choices("Optimizer", "adamw", "muon")
+TrainLoss = choices("TrainLoss", "kl", "lk_alpha", "lk_lambda")  # modeling/draft.py, STEP_LOSSES
 EvalDrafter = choices("EvalDrafter", "baseline", "scratch", "warm_start")
 EvalBackend = choices("EvalBackend", "hf", "vllm", "sglang")
 EvalEngine = choices("EvalEngine", "vllm")
@@ -137,6 +138,12 @@ class DrafterTrainConfig(Section):
     # measured best on the embedded default (docs/training.md, "Variants")
     optimizer: Optimizer = Optimizer.muon
     muon_lr: Optional[float] = None  # null = lr: Muon's updates are scaled to AdamW's size (match_rms_adamw)
+    # each TTT step's objective (modeling/draft.py): kl, the soft cross-entropy against the target's distribution;
+    # lk_alpha, -log alpha, alpha = sum_v min(p_target, q_draft) the acceptance probability; lk_lambda,
+    # w * kl + (1 - w) * (1 - alpha), w = lk_kl_scale * exp(-lk_kl_decay * mean alpha) (LK losses, arXiv 2602.23881)
+    loss: TrainLoss = TrainLoss.kl
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 3.0
     draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)
 
     def check(self) -> Iterator[tuple[str, str]]:
@@ -150,6 +157,10 @@ class DrafterTrainConfig(Section):
             yield "ttt_steps", "must be at least 1"
         if self.muon_lr is not None and self.optimizer != Optimizer.muon:
             yield "muon_lr", f"sets Muon's learning rate, but the optimizer is {self.optimizer}"
+        if not 0.0 <= self.lk_kl_scale <= 1.0:
+            yield "lk_kl_scale", "must be in [0, 1]: the weight of the KL term when no token is accepted"
+        if self.lk_kl_decay < 0:
+            yield "lk_kl_decay", "must be at least 0"
 
 
 @dataclass
@@ -386,6 +397,9 @@ class EvalConfig(Section):
     engine_tolerance: float = 0.02
     concurrency: int = 8  # engine backends and eval.engine: requests in flight at once
     temperature: float = 0.0  # 0 = greedy (checked token for token against the target); sampled keeps its distribution
+    # tau measured again at this temperature, as users serve (hf backend: the decoder; vllm | sglang: the server);
+    # null = at eval.temperature only
+    sampled_temperature: Optional[float] = 1.0
     # hf backend (spec_settings.py says more): the target's nucleus; tree branching and tokens per
     # verification, root included (SGLang's --speculative-eagle-topk, --speculative-num-draft-tokens; null =
     # k + 1 for a chain, 1 + k * topk for a tree); drafts greedy | probabilistic (vLLM's draft_sample_method)
@@ -402,6 +416,8 @@ class EvalConfig(Section):
             yield err.key, err.reason
         if self.batch_size < 1:
             yield "batch_size", "must be at least 1"
+        if self.sampled_temperature is not None and self.sampled_temperature <= 0:
+            yield "sampled_temperature", "must be above 0 (null = no second measurement; eval.temperature is the first)"
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
             yield "server_url", f"{self.server_url!r} is not an http(s) base URL (http://host:port)"
         if self.backend == EvalBackend.sglang and self.server_url is None:
