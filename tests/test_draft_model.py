@@ -175,11 +175,14 @@ def test_target_distribution_restricts_to_draft_vocab():
     draft = make_draft()
     final = torch.randn(1, 5, H)
     head = torch.randn(V, H)
-    probs, in_draft = target_distribution(final, head, draft.t2d)
+    probs, in_draft, draft_mass = target_distribution(final, head, draft.t2d)
     logits = final @ head.T
     torch.testing.assert_close(probs, logits[..., draft.t2d].softmax(-1))
     assert torch.equal(in_draft, draft.t2d[logits.argmax(-1)])
     torch.testing.assert_close(probs.sum(-1), torch.ones(1, 5))
+    # the target's own probabilities of the draft tokens, out of its whole vocabulary
+    torch.testing.assert_close(probs * draft_mass[..., None], logits.softmax(-1)[..., draft.t2d])
+    assert bool((draft_mass < 1).all())  # the draft vocabulary is a strict subset
 
 
 def test_ttt_loss_alignment_and_value():
@@ -196,7 +199,7 @@ def test_ttt_loss_alignment_and_value():
         result = ttt_loss(draft, ids, aux, final, mask, positions, head, ttt_steps=2, decay=0.8)
         # Manual step 0.
         _, logits, _, _ = draft(shift_left(ids), draft.fuse(aux), positions, draft.ttt_context(positions, 2))
-        probs, in_draft = target_distribution(final, head, draft.t2d)
+        probs, in_draft, _ = target_distribution(final, head, draft.t2d)
         rows = [t for t in range(T - 2) if mask[0, t + 2] and in_draft[0, t + 1]]
         expected = -sum((probs[0, t + 1] * logits[0, t].log_softmax(-1)).sum() for t in rows) / len(rows)
         correct = sum(int(logits[0, t].argmax() == probs[0, t + 1].argmax()) for t in rows)
@@ -226,7 +229,7 @@ def test_ttt_loss_trains_down():
         opt.step()
         first = first if first is not None else result.losses[0]
     # Soft cross-entropy is bounded below by the target's entropy: the KL part must mostly vanish.
-    probs, _ = target_distribution(shift_left(final), head, draft.t2d)
+    probs, _, _ = target_distribution(shift_left(final), head, draft.t2d)
     entropy = float(-(probs * probs.clamp_min(1e-12).log()).sum(-1)[:, : 12 - 2].mean())
     assert result.losses[0] - entropy < 0.3 * (first - entropy)
     assert draft.embed_tokens.weight.grad is None  # the target's embedding stays frozen
@@ -397,19 +400,92 @@ def test_each_document_of_a_packed_row_has_the_loss_and_gradients_it_has_alone()
     assert counted_at_step_1 > 0
 
 
-def test_soft_cross_entropy_value_and_gradient():
-    from eagle3ops.modeling.draft import soft_cross_entropy
+def _step_inputs(seed: int = 0):
+    """logits [3, 5, 7] (float64, requiring grad), the target's distribution over a vocabulary of 10 of which the
+    draft vocabulary holds the first 7, renormalised over it, its mass there, the argmax and the counted positions."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, 7, dtype=torch.float64, generator=generator).requires_grad_()
+    full = (2 * torch.randn(3, 5, 10, dtype=torch.float64, generator=generator)).softmax(-1)
+    target, mass = full[..., :7] / full[..., :7].sum(-1, keepdim=True), full[..., :7].sum(-1)
+    counted = torch.rand(3, 5, generator=generator) > 0.4
+    return logits, full, target, mass, target.argmax(-1), counted
 
-    torch.manual_seed(0)
-    logits = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
-    target = torch.randn(3, 5, 7, dtype=torch.float64).softmax(-1)
-    counted = torch.rand(3, 5) > 0.4
-    top = target.argmax(-1)
-    summed, correct = soft_cross_entropy(logits, target, top, counted)
+
+def test_the_kl_step_loss_value_and_gradient():
+    from eagle3ops.modeling.draft import step_loss
+
+    logits, _, target, mass, top, counted = _step_inputs()
+    summed, correct, _ = step_loss(logits, target, mass, top, counted)
     expected = -(target * logits.log_softmax(-1)).sum(-1)[counted].sum()
     torch.testing.assert_close(summed, expected)
     assert int(correct) == int(((logits.argmax(-1) == top) & counted).sum())
-    assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, target, top, counted)[0], (logits,))
+    assert torch.autograd.gradcheck(lambda z: step_loss(z, target, mass, top, counted)[0], (logits,))
+
+
+def _alpha_by_hand(logits, full, counted) -> list[float]:
+    """alpha per counted position as an explicit sum over the whole vocabulary of 10: min(p(v), q(v)), where the
+    drafter puts no probability on the 3 tokens outside its vocabulary."""
+    q = logits.detach().softmax(-1)
+    values = []
+    for b, t in counted.nonzero().tolist():
+        values.append(sum(min(float(full[b, t, v]), float(q[b, t, v]) if v < 7 else 0.0) for v in range(10)))
+    return values
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_alpha", "lk_lambda"])
+def test_alpha_is_the_acceptance_probability_over_the_whole_vocabulary(kind):
+    from eagle3ops.modeling.draft import step_loss
+
+    logits, full, target, mass, top, counted = _step_inputs(1)
+    _, _, alpha_sum = step_loss(logits, target, mass, top, counted, kind=kind)
+    by_hand = _alpha_by_hand(logits, full, counted)
+    assert float(alpha_sum) == pytest.approx(sum(by_hand), rel=1e-9)
+    assert all(0 < a < 1 for a in by_hand)  # mass outside the draft vocabulary is never accepted
+    assert not alpha_sum.requires_grad  # reported, not backpropagated: each loss says what it trains
+
+
+def test_the_lk_losses_value_and_gradient():
+    """lk_alpha sums -log alpha; lk_lambda mixes the KL and 1 - alpha with w = scale * exp(-decay * mean alpha), w
+    taken as a constant. Values from the explicit sums; gradients checked numerically (gradcheck differentiates
+    through min(p, q) where no q(v) equals p(v), so almost everywhere) and lk_lambda's against its two terms."""
+    from eagle3ops.modeling.draft import step_loss
+
+    logits, full, target, mass, top, counted = _step_inputs(2)
+    by_hand = _alpha_by_hand(logits, full, counted)
+    summed, _, _ = step_loss(logits, target, mass, top, counted, kind="lk_alpha")
+    assert float(summed) == pytest.approx(-sum(math.log(a) for a in by_hand), rel=1e-9)
+    assert torch.autograd.gradcheck(lambda z: step_loss(z, target, mass, top, counted, kind="lk_alpha")[0], (logits,))
+
+    scale, decay = 0.9, 2.0
+    summed, _, _ = step_loss(logits, target, mass, top, counted, kind="lk_lambda", kl_scale=scale, kl_decay=decay)
+    kl = -(target * logits.log_softmax(-1)).sum(-1)[counted]
+    w = scale * math.exp(-decay * sum(by_hand) / len(by_hand))
+    expected = sum(w * float(k) + (1 - w) * (1 - a) for k, a in zip(kl, by_hand))
+    assert float(summed) == pytest.approx(expected, rel=1e-9)
+    (grad,) = torch.autograd.grad(summed, logits)
+    kl_sum, _, _ = step_loss(logits, target, mass, top, counted)
+    alpha = torch.minimum(logits.softmax(-1), target * mass[..., None]).sum(-1)
+    (expected_grad,) = torch.autograd.grad(w * kl_sum + (1 - w) * ((1 - alpha) * counted).sum(), logits)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_the_lk_alpha_loss_raises_acceptance():
+    """A few steps of gradient descent on -log alpha alone raise alpha towards the target's mass inside the draft
+    vocabulary, its ceiling."""
+    from eagle3ops.modeling.draft import step_loss
+
+    logits, _, target, mass, top, counted = _step_inputs(3)
+    logits = logits.detach().clone().requires_grad_()
+    before = float(step_loss(logits, target, mass, top, counted)[2])
+    optimizer = torch.optim.SGD([logits], lr=1.0)
+    for _ in range(200):
+        optimizer.zero_grad()
+        step_loss(logits, target, mass, top, counted, kind="lk_alpha")[0].backward()
+        optimizer.step()
+    after = float(step_loss(logits, target, mass, top, counted)[2])
+    ceiling = float((mass * counted).sum())
+    assert before < after <= ceiling + 1e-9
+    assert after > before + 0.8 * (ceiling - before)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -423,21 +499,20 @@ def test_the_compiled_step_and_loss_give_the_eager_loss_and_gradients_and_compil
 
     from torch._dynamo.utils import counters
 
-    from eagle3ops.modeling.draft import soft_cross_entropy
+    from eagle3ops.modeling.draft import step_loss
 
     eager = make_draft(heads=2, kv_heads=1)
     compiled = copy.deepcopy(eager)
     compiled.compile(dynamic=False)
-    compiled_loss = torch.compile(soft_cross_entropy, dynamic=False)
+    compiled_loss = torch.compile(step_loss, dynamic=False)
     head = torch.randn(V, H, generator=torch.Generator().manual_seed(4))
     graphs_before = counters["stats"]["unique_graphs"]
     for seed, rows in ((5, [[7, 5], [12]]), (6, [[3, 3, 3, 3], [2, 10]])):
         ids, aux, final, mask, positions, _ = packed_batch(rows, T=12, seed=seed)
         results = []
-        for draft, cross_entropy in ((eager, soft_cross_entropy), (compiled, compiled_loss)):
+        for draft, loss in ((eager, step_loss), (compiled, compiled_loss)):
             params = [p for p in draft.parameters() if p.requires_grad]
-            result = ttt_loss(draft, ids, aux, final, mask, positions, head, ttt_steps=5, decay=0.8,
-                              cross_entropy=cross_entropy)
+            result = ttt_loss(draft, ids, aux, final, mask, positions, head, ttt_steps=5, decay=0.8, loss=loss)
             results.append((result, torch.autograd.grad(result.loss, params)))
         (plain, plain_grads), (fused, fused_grads) = results
         assert plain.losses == pytest.approx(fused.losses, rel=1e-5) and plain.accs == fused.accs

@@ -137,11 +137,12 @@ def test_a_run_reports_the_padded_share_of_its_rows():
 
 
 @pytest.mark.parametrize("variant", [{"optimizer": "muon"}, {"optimizer": "muon", "muon_lr": 0.05},
-                                     {"ttt_positions": "raised"}, {"eagle31": True}],
-                         ids=["muon", "muon_lr", "raised", "eagle3.1"])
+                                     {"ttt_positions": "raised"}, {"eagle31": True}, {"loss": "lk_alpha"},
+                                     {"loss": "lk_lambda", "lk_kl_decay": 1.0}],
+                         ids=["muon", "muon_lr", "raised", "eagle3.1", "lk_alpha", "lk_lambda"])
 def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterrupted_run(variant):
-    """Muon (beside AdamW, each with its schedule), raised TTT positions and EAGLE-3.1: the held-out loss falls, and a
-    run continued from its resume point (the optimizers' and schedules' states by name) ends bit for bit where the
+    """Muon (beside AdamW, each with its schedule), raised TTT positions, EAGLE-3.1 and the LK losses: the held-out
+    loss falls (alpha, the acceptance probability, logged per TTT step), and a run continued from its resume point (the optimizers' and schedules' states by name) ends bit for bit where the
     uninterrupted run does."""
     from eagle3ops.config import DrafterTrainConfig
     from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
@@ -170,6 +171,7 @@ def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterru
     whole = drafter()
     result = run(whole)[0]
     assert result.steps >= 6 and result.final["eval/loss"] < result.history[0]["train/loss"]
+    assert all(0 < row["train/alpha_2"] < 1 for row in result.history) and 0 < result.final["eval/alpha_2"] < 1
     saved = []
     run(drafter(), hooks=Hooks(checkpoint=lambda state: saved.append(copy.deepcopy(state.to_dict()))))  # as saved
     resumed_point = TrainState.from_dict(saved[1])

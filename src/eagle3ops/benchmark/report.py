@@ -37,8 +37,11 @@ def render(result: dict) -> str:
     if "fused_vs_reference" in result:
         check = result["fused_vs_reference"]
         lines += [f"Fused step (compiled, flex attention) against the reference math on the same device, {check['dtype']}, "
-                  f"{check['tokens']} tokens in {check['documents']} documents, TTT 7: losses differ by at most "
-                  f"{check['loss_max_rel_diff']:.1e}, gradients by at most {check['grad_max_rel_diff']:.1e} (relative)", ""]
+                  f"{check['tokens']} tokens in {check['documents']} documents, TTT 7, each train.loss "
+                  f"({', '.join(check.get('losses', {'kl': None}))}): losses differ by at most "
+                  f"{check['loss_max_rel_diff']:.1e}, acceptance probabilities by at most "
+                  f"{check.get('alpha_max_rel_diff', float('nan')):.1e}, gradients by at most "
+                  f"{check['grad_max_rel_diff']:.1e} (relative)", ""]
     if "train_varlen" in result:
         lines += render_varlen(result["train_varlen"], result["size"] == "8b")
     if "online" in result:

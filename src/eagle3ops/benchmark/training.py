@@ -2,6 +2,7 @@
 ranks."""
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -87,7 +88,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     documents = documents or [length]
     optim = optim or DrafterTrainConfig(epochs=1, lr=1e-4, optimizer="adamw", ttt_steps=ttt_steps)
     draft = random_drafter(cfg, seed, kernel)
-    cross_entropy = prepare_for_training(draft, device)
+    loss = prepare_for_training(draft, device, optim)
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02)
     features = compute_dtype(device)  # as the train stage passes the features and the target's lm_head
     lm_head = lm_head.to(features)
@@ -103,7 +104,7 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     def step() -> None:  # as the train stage's loop takes one
         weights.release_gradients()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, cross_entropy=cross_entropy,
+            result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, ttt_steps, loss=loss,
                               raise_positions=optim.ttt_positions == "raised")
         result.loss.backward()
         weights.step(optimizer, 0.5)
@@ -131,7 +132,8 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
 
 # name: (DrafterTrainConfig fields, EAGLE-3.1); each one switch away from the first
 VARIANTS = {"EAGLE-3, positions fixed, AdamW": ({}, False), "positions raised": ({"ttt_positions": "raised"}, False),
-            "EAGLE-3.1": ({}, True), "Muon": ({"optimizer": "muon"}, False)}
+            "EAGLE-3.1": ({}, True), "Muon": ({"optimizer": "muon"}, False),
+            "LK loss, alpha": ({"loss": "lk_alpha"}, False), "LK loss, lambda": ({"loss": "lk_lambda"}, False)}
 
 
 def bench_variants(arch: dict, draft_vocab_size: int, length: int, documents: list[int], steps: int,
@@ -220,9 +222,9 @@ def compare_with_reference(device: torch.device) -> dict:
     distribution, the same for both, in bf16): a small drafter on two rows packed with documents across several of
     the flex kernel's tiles, the compiled forward and loss (flex attention within documents, the later steps merged
     through its log-sum-exp) against the eager, explicit ones.
-    Returns the largest relative differences of the per-step losses and of the gradients (norm of the difference over
-    the norm of the reference, per parameter)."""
-    from eagle3ops.modeling.draft import soft_cross_entropy
+    Returns, for each train.loss, the largest relative differences of the per-step losses, of the acceptance
+    probabilities and of the gradients (norm of the difference over the norm of the reference, per parameter)."""
+    from eagle3ops.modeling.draft import STEP_LOSSES, step_loss
 
     cfg = DraftConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                       vocab_size=1024, draft_vocab_size=256, target_hidden_size=256, head_dim=32)
@@ -238,12 +240,19 @@ def compare_with_reference(device: torch.device) -> dict:
     mask = (torch.rand(2, T, generator=generator, device=device) > 0.2).long()
     positions = torch.stack([torch.cat([torch.arange(n, device=device) for n in row]) for row in rows])
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.5
-    results = []
-    for draft, cross_entropy in ((reference, soft_cross_entropy), (fused, torch.compile(soft_cross_entropy))):
-        params = [p for p in draft.parameters() if p.requires_grad]
-        result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, 7, cross_entropy=cross_entropy)
-        results.append((result.losses, torch.autograd.grad(result.loss, params)))
-    (losses, grads), (fused_losses, fused_grads) = results
-    return {"dtype": "float32", "tokens": 2 * T, "documents": sum(len(row) for row in rows),
-            "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(fused_losses, losses)),
+    by_loss = {}
+    for kind in STEP_LOSSES:
+        loss = functools.partial(step_loss, kind=kind)
+        results = []
+        for draft, step in ((reference, loss), (fused, torch.compile(loss, dynamic=False))):
+            params = [p for p in draft.parameters() if p.requires_grad]
+            result = ttt_loss(draft, ids, aux, final, mask, positions, lm_head, 7, loss=step)
+            results.append((result, torch.autograd.grad(result.loss, params)))
+        (expected, grads), (got, fused_grads) = results
+        by_loss[kind] = {
+            "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(got.losses, expected.losses)),
+            "alpha_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(got.alphas, expected.alphas)),
             "grad_max_rel_diff": max(float((a - b).norm() / b.norm()) for a, b in zip(fused_grads, grads))}
+    return {"dtype": "float32", "tokens": 2 * T, "documents": sum(len(row) for row in rows), "losses": by_loss,
+            **{key: max(check[key] for check in by_loss.values())
+               for key in ("loss_max_rel_diff", "alpha_max_rel_diff", "grad_max_rel_diff")}}

@@ -411,18 +411,26 @@ def shift_left(x: torch.Tensor, by: int = 1) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor, torch.Tensor]:
+def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Target's next-token distribution restricted to the draft vocabulary.
 
     final_hidden [B, T, Ht] (after the target's final norm), lm_head_weight [V, Ht]
-    -> probs [B, T, Vd], in_draft [B, T] (the target's argmax is a draft token; only such positions count).
-    The full-vocabulary logits serve the argmax alone; the softmax needs only the draft rows of lm_head. On a
-    GPU both products run in bf16, as the target computes its own logits, and the softmax in fp32.
+    -> probs [B, T, Vd] (renormalised over the draft vocabulary), in_draft [B, T] (the target's argmax is a draft
+    token; only such positions count), draft_mass [B, T] (the target's probability inside the draft vocabulary:
+    probs * draft_mass is the target's own distribution on those tokens).
+    The full-vocabulary logits serve the argmax and their normaliser alone; the softmax needs only the draft rows of
+    lm_head. On a GPU both products run in bf16, as the target computes its own logits, and the softmax in fp32 (the
+    full normaliser vocabulary-chunk by chunk, so that no float32 copy of [B, T, V] is made).
     """
     dtype = compute_dtype(final_hidden.device)
     hidden, weight = final_hidden.to(dtype), lm_head_weight.to(dtype)
-    in_draft = t2d[(hidden @ weight.T).argmax(-1)]  # [B, T, V] -> [B, T]
-    return (hidden @ weight[t2d].T).float().softmax(-1), in_draft
+    full = hidden @ weight.T  # [B, T, V]
+    in_draft = t2d[full.argmax(-1)]  # [B, T]
+    full_lse = torch.stack([chunk.float().logsumexp(-1) for chunk in full.split(16384, dim=-1)]).logsumexp(0)
+    draft_logits = (hidden @ weight[t2d].T).float()  # [B, T, Vd]
+    draft_lse = draft_logits.logsumexp(-1)  # [B, T]
+    probs = (draft_logits - draft_lse[..., None]).exp()
+    return probs, in_draft, (draft_lse - full_lse).exp().clamp(max=1.0)
 
 
 @dataclass
@@ -430,28 +438,56 @@ class TTTResult:
     loss: torch.Tensor  # sum_k decay^k * loss_k, to backpropagate
     losses: list[float]  # loss_k
     accs: list[float]  # acc_k over counted positions (target argmax in the draft vocabulary)
+    alphas: list[float]  # alpha_k, the mean acceptance probability at temperature 1 over counted positions
     counted: list[int]  # positions counted at step k
     masked: list[int]  # loss-masked positions at step k, counted or not: counted/masked is the vocab coverage
 
 
-def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, target_top: torch.Tensor,
-                       counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One TTT step's summed loss and correct count over its counted positions.
+STEP_LOSSES = ("kl", "lk_alpha", "lk_lambda")  # params.yaml train.loss
 
-    logits [B, T, Vd] (bf16 under autocast), target_p [B, T, Vd] float32, target_top, counted [B, T]
-    -> (sum over counted positions of -(p * log_softmax(z)).sum(-1), how many of them have argmax z = target_top).
-    Written as lse(z) * sum(p) - (p * z).sum(-1), so that compiled (as the training loop runs it on a GPU) the forward
-    is one reduction kernel over the logits and the backward one pointwise kernel, softmax(z) * sum(p) - p, with
-    no float32 copy of the logits kept between them.
+
+def step_loss(logits: torch.Tensor, target_p: torch.Tensor, draft_mass: torch.Tensor, target_top: torch.Tensor,
+              counted: torch.Tensor, kind: str = "kl", kl_scale: float = 1.0, kl_decay: float = 3.0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One TTT step's summed loss, correct count and summed acceptance probability over its counted positions.
+
+    logits [B, T, Vd] (bf16 under autocast); target_p [B, T, Vd] float32, the target's distribution over the draft
+    vocabulary renormalised; draft_mass [B, T], the target's probability inside the draft vocabulary; target_top,
+    counted [B, T] -> (summed loss, correct count, summed alpha), each [].
+
+    alpha = sum_v min(draft_mass * p_v, q_v), q = softmax(logits): the probability that a token drafted from q is
+    accepted by a verifier sampling from the target at temperature 1 (target mass outside the draft vocabulary is
+    never drafted, so never accepted). Per position, by `kind`:
+
+        kl         -(p * log q).sum(-1): the soft cross-entropy, the KL to p up to p's entropy (a constant)
+        lk_alpha   -log alpha: the LK loss that maximises acceptance itself (arXiv 2602.23881)
+        lk_lambda  w * kl + (1 - w) * (1 - alpha), w = kl_scale * exp(-kl_decay * mean alpha): the KL's dense
+                   gradient while alpha is small, acceptance once it grows; mean alpha over this step's counted
+                   positions (this rank's, under torchrun), detached
+
+    The KL is written as lse(z) * sum(p) - (p * z).sum(-1), so that compiled (as the training loop runs it on a GPU)
+    the forward is reductions over the logits and the backward pointwise kernels, with no float32 copy of the
+    logits kept between them; alpha, a reduction too, costs one more pass and is reported whatever the loss.
     """
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32
-    per_position = torch.logsumexp(z, dim=-1) * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
+    lse = torch.logsumexp(z, dim=-1)  # [B, T]
+    alpha = torch.minimum((z - lse[..., None]).exp(), target_p * draft_mass[..., None]).sum(-1)  # [B, T]
+    alpha_sum = (alpha * counted).sum()
+    if kind == "lk_alpha":
+        per_position = -alpha.clamp(min=1e-6).log()
+    else:
+        kl = lse * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
+        if kind == "kl":
+            per_position = kl
+        else:
+            w = kl_scale * torch.exp(-kl_decay * alpha_sum.detach() / counted.sum().clamp(min=1))
+            per_position = w * kl + (1 - w) * (1 - alpha)
     correct = (logits.argmax(-1) == target_top) & counted
-    return (per_position * counted).sum(), correct.sum()
+    return (per_position * counted).sum(), correct.sum(), alpha_sum.detach()
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask, positions, lm_head_weight,
-             ttt_steps: int = 7, decay: float = 0.8, normaliser=None, cross_entropy=soft_cross_entropy,
+             ttt_steps: int = 7, decay: float = 0.8, normaliser=None, loss=step_loss,
              raise_positions: bool = False) -> TTTResult:
     """Training-time test over packed rows: K draft steps, each feeding its own output hidden state to the next.
 
@@ -473,15 +509,16 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     positions in the picture of TTTContext change: step k's query at t + k against step 0's keys at s <= t and the
     own-position keys of steps j at t + j.
 
-    Each step's loss is its summed soft cross-entropy over the counted positions divided by their count (at
-    least 1); `normaliser` (data-parallel training: distributed.global_normaliser) maps that count [] to
-    the divisor instead, so that the ranks' losses average to the loss of the whole global batch.
-    `cross_entropy` computes one step's summed loss (`soft_cross_entropy`, compiled by the training loop on a GPU).
+    Each step's loss is its summed loss (`loss`: `step_loss`, or a partial of it for another train.loss, compiled by
+    the training loop on a GPU) over the counted positions divided by their count (at least 1); `normaliser`
+    (data-parallel training: distributed.global_normaliser) maps that count [] to the divisor instead, so that the
+    ranks' losses average to the loss of the whole global batch.
     """
     B, T = input_ids.shape
     ahead = ttt_steps + 1  # the last step, K - 1, reads the target side at t + K and the token x_{t+K+1}
     padded_final = F.pad(final_hidden, (0, 0, 0, ahead))
-    target_p, in_draft = target_distribution(padded_final, lm_head_weight, draft.t2d)  # [B, T + ahead]: x_{j+1} at j
+    # [B, T + ahead]: x_{j+1} at j
+    target_p, in_draft, draft_mass = target_distribution(padded_final, lm_head_weight, draft.t2d)
     target_top = target_p.argmax(-1)  # the target's choice, as a draft id
     context = draft.ttt_context(positions, ttt_steps)
     documents = F.pad(context.documents, (0, ahead), value=-1)  # [B, T + ahead]
@@ -490,7 +527,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
     next_ids = shift_left(input_ids) * continues  # x_{t+1} at t, 0 past the document's end
     hidden = draft.fuse(aux_hidden)
     total = hidden.new_zeros((), dtype=torch.float32)
-    per_step = []  # [loss_k, correct_k, counted_k, masked_k] as tensors: read back once, not once per step
+    per_step = []  # [loss_k, correct_k, alpha_k, counted_k, masked_k] as tensors: read back once, not once per step
     for k in range(ttt_steps):
         hidden, logits, keys, values = draft(next_ids, hidden, positions + k if raise_positions else positions, context)
         if k + 1 < ttt_steps:
@@ -501,11 +538,11 @@ def ttt_loss(draft: Eagle3Draft, input_ids, aux_hidden, final_hidden, loss_mask,
         counted = masked & in_draft[:, target]
         count = counted.sum()
         divisor = count.clamp(min=1) if normaliser is None else normaliser(count)
-        summed, correct = cross_entropy(logits, target_p[:, target], target_top[:, target], counted)
+        summed, correct, alpha = loss(logits, target_p[:, target], draft_mass[:, target], target_top[:, target], counted)
         loss_k = summed / divisor
         total = total + decay**k * loss_k
-        per_step.append(torch.stack([loss_k.detach(), correct.float(), count.float(), masked.sum().float()]))
+        per_step.append(torch.stack([loss_k.detach(), correct.float(), alpha, count.float(), masked.sum().float()]))
         next_ids = shift_left(next_ids) * continues
-    losses, corrects, counts, masks = torch.stack(per_step).T.tolist()
+    losses, corrects, alphas, counts, masks = torch.stack(per_step).T.tolist()
     return TTTResult(total, losses, [c / max(1, n) for c, n in zip(corrects, counts)],
-                     [int(n) for n in counts], [int(m) for m in masks])
+                     [a / max(1, n) for a, n in zip(alphas, counts)], [int(n) for n in counts], [int(m) for m in masks])

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.data.hidden_states import decode
 from eagle3ops.errors import InputError
-from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, soft_cross_entropy, ttt_loss
+from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, step_loss, ttt_loss
 from eagle3ops.progress import progress as progress_bar
 from eagle3ops.training import distributed
 from eagle3ops.training.data import (
@@ -135,7 +135,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     seed_everything(recipe.seed)
     if state is not None and state.model is not None:
         draft.load_state_dict(state.model)  # float32, before training casts the weights
-    cross_entropy = prepare_for_training(draft, device)
+    loss = prepare_for_training(draft, device, optim)
     weights = MasterWeights(draft, compute_dtype(device))
     lm_head = recipe.lm_head.to(device, torch.bfloat16 if device.type == "cuda" else recipe.lm_head.dtype)
     # packed before the first step, so a sample longer than a row stops the run here, not after hours
@@ -170,7 +170,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     for epoch, rows, assembled in assembled_ahead(remaining, make, depth):
         batch = to_device(assembled, device)
         weights.release_gradients()  # none kept through the forward, where they would add to its peak memory
-        result = objective(batch, lm_head, optim, normaliser, cross_entropy)
+        result = objective(batch, lm_head, optim, normaliser, loss)
         result.loss.backward()
         grad_norm = weights.step(optimizers, optim.grad_clip)
         step += 1
@@ -180,10 +180,11 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         row_tokens += len(rows) * optim.packed_length
         progress.update(1)
         if step % optim.log_every == 0 or step == total_steps:
-            loss_value, losses, accs = _global_metrics(result, world, device)
+            loss_value, losses, accs, alphas = _global_metrics(result, world, device)
             progress.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", refresh=False)
             row = {"train/loss": loss_value, "train/grad_norm": float(grad_norm), "train/lr": optimizers.lr,
                    "train/epoch": epoch, **{f"train/acc_{k}": a for k, a in enumerate(accs)},
+                   **{f"train/alpha_{k}": a for k, a in enumerate(alphas)},
                    **{f"train/loss_{k}": v for k, v in enumerate(losses)}}
             history.append({"step": step, **row})
             if hooks.log:
@@ -202,7 +203,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
             hooks.checkpoint(now(with_weights=True))
     progress.close()
     wall = time.perf_counter() - start - probe_s  # throughput counts training, not the simulator
-    final = _evaluate(recipe, held_out, lm_head, cross_entropy, world) if held_out else {}
+    final = _evaluate(recipe, held_out, lm_head, loss, world) if held_out else {}
     if hooks.log and final:
         hooks.log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
@@ -269,30 +270,36 @@ class MasterWeights:
                 p.grad = None
 
 
-def prepare_for_training(draft: Eagle3Draft, device: torch.device) -> Callable:
-    """The loop's compile policy: move the drafter for training and return the step loss to use.
+def prepare_for_training(draft: Eagle3Draft, device: torch.device, optim: DrafterTrainConfig) -> Callable:
+    """The loop's compile policy: move the drafter for training and return the step loss to use (`step_loss` with
+    optim's train.loss and its constants).
 
     On a GPU the drafter's forward (one TTT step: norms, projections with the rotary embedding, the flex-attention
-    kernel, SwiGLU, the head) and the step loss (`soft_cross_entropy`) are compiled. Every batch has one shape
-    (rows of train.packed_length) and every TTT step after the first the same inputs (modeling/draft.py,
-    TTTContext), so a run compiles two graphs of the step and one of the loss, in its first step, whatever the
-    lengths of the data (and as many again, without gradients, for the held-out evaluation); COMPILE_CACHE_DIR keeps
-    them for the next process. The recompile limit is raised for processes that train several shapes (the bench):
-    past it a graph would fall back to the unfused kernels. The frozen embedding (the target's, only looked up) is
-    kept in bf16 as the target keeps it. Elsewhere both run eager: the same math, unfused."""
+    kernel, SwiGLU, the head) and the step loss are compiled. Every batch has one shape (rows of
+    train.packed_length) and every TTT step after the first the same inputs (modeling/draft.py, TTTContext), so a
+    run compiles two graphs of the step and one of the loss, in its first step, whatever the lengths of the data
+    (and as many again, without gradients, for the held-out evaluation); COMPILE_CACHE_DIR keeps them for the next
+    process. The recompile limit is raised for processes that train several shapes (the bench): past it a graph
+    would fall back to the unfused kernels. The frozen embedding (the target's, only looked up) is kept in bf16 as
+    the target keeps it. Elsewhere both run eager: the same math, unfused."""
     draft.to(device).train()
+    loss = (optim.loss, optim.lk_kl_scale, optim.lk_kl_decay)
     if device.type != "cuda":
-        return soft_cross_entropy
+        return _step_loss(*loss)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR.resolve()))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     draft.embed_tokens.to(torch.bfloat16)
     draft.compile(dynamic=False)
-    return _compiled_cross_entropy()
+    return _compiled_step_loss(*loss)
+
+
+def _step_loss(kind: str, kl_scale: float, kl_decay: float) -> Callable:
+    return functools.partial(step_loss, kind=str(kind), kl_scale=kl_scale, kl_decay=kl_decay)
 
 
 @functools.cache
-def _compiled_cross_entropy() -> Callable:
-    return torch.compile(soft_cross_entropy, dynamic=False)
+def _compiled_step_loss(kind: str, kl_scale: float, kl_decay: float) -> Callable:
+    return torch.compile(_step_loss(kind, kl_scale, kl_decay), dynamic=False)
 
 
 def seed_everything(seed: int) -> None:
@@ -317,12 +324,12 @@ def _make_batch(recipe: Recipe, world: World | None, row_count: int, batch: list
     return recipe.hidden_states(rows, assembled) if recipe.hidden_states else assembled
 
 
-def _batch_loss(draft, batch, lm_head, optim: DrafterTrainConfig, normaliser=None, cross_entropy=soft_cross_entropy):
+def _batch_loss(draft, batch, lm_head, optim: DrafterTrainConfig, normaliser=None, loss=step_loss):
     features = compute_dtype(batch["input_ids"].device)  # on a GPU bf16 as stored, not upcast for autocast to undo
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
         return ttt_loss(draft, batch["input_ids"].long(), decode(batch, "aux_hidden", features),
                         decode(batch, "final_hidden", features), batch["loss_mask"], batch["positions"], lm_head,
-                        optim.ttt_steps, optim.loss_decay, normaliser, cross_entropy,
+                        optim.ttt_steps, optim.loss_decay, normaliser, loss,
                         raise_positions=optim.ttt_positions == "raised")
 
 
@@ -334,47 +341,54 @@ class _TTTObjective(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, batch, lm_head, optim, normaliser, cross_entropy) -> TTTResult:
-        return _batch_loss(self.draft, batch, lm_head, optim, normaliser, cross_entropy)
+    def forward(self, batch, lm_head, optim, normaliser, loss) -> TTTResult:
+        return _batch_loss(self.draft, batch, lm_head, optim, normaliser, loss)
 
 
-def _global_metrics(result: TTTResult, world: World, device: torch.device) -> tuple[float, list[float], list[float]]:
-    """(loss, loss_k, acc_k) of the whole global batch: the mean of the ranks' losses (see
-    distributed.global_normaliser), accuracies over the positions counted on all ranks."""
+def _global_metrics(result: TTTResult, world: World, device: torch.device
+                    ) -> tuple[float, list[float], list[float], list[float]]:
+    """(loss, loss_k, acc_k, alpha_k) of the whole global batch: the mean of the ranks' losses (see
+    distributed.global_normaliser), accuracies and acceptance probabilities over the positions counted on all
+    ranks."""
     if world.size == 1:
-        return result.loss.item(), result.losses, result.accs
+        return result.loss.item(), result.losses, result.accs, result.alphas
     K = len(result.losses)
     sums = distributed.all_reduce_sum([result.loss.item(), *result.losses, *result.counted,
-                                       *(a * n for a, n in zip(result.accs, result.counted))], device)
-    counted, correct = sums[1 + K : 1 + 2 * K], sums[1 + 2 * K :]
+                                       *(a * n for a, n in zip(result.accs, result.counted)),
+                                       *(a * n for a, n in zip(result.alphas, result.counted))], device)
+    counted, correct, accepted = sums[1 + K : 1 + 2 * K], sums[1 + 2 * K : 1 + 3 * K], sums[1 + 3 * K :]
     return (sums[0] / world.size, [v / world.size for v in sums[1 : 1 + K]],
-            [c / max(1.0, n) for c, n in zip(correct, counted)])
+            [c / max(1.0, n) for c, n in zip(correct, counted)], [a / max(1.0, n) for a, n in zip(accepted, counted)])
 
 
 @torch.no_grad()
-def _evaluate(recipe: Recipe, held_out: list, lm_head: torch.Tensor, cross_entropy: Callable, world: World
+def _evaluate(recipe: Recipe, held_out: list, lm_head: torch.Tensor, loss: Callable, world: World
               ) -> dict[str, float]:
-    """Held-out TTT loss (the mean over batches, weighted by their samples) and per-step accuracy (weighted by
-    counted positions), and draft-vocab coverage, over `held_out` (data.eval_batches: the held-out samples packed in
-    their own order). Over several ranks each takes every world-size-th batch and the sums are added up."""
+    """Held-out TTT loss (the mean over batches, weighted by their samples), per-step accuracy and acceptance
+    probability (weighted by counted positions), and draft-vocab coverage, over `held_out` (data.eval_batches: the
+    held-out samples packed in their own order). Over several ranks each takes every world-size-th batch and the
+    sums are added up."""
     draft, optim, device = recipe.draft, recipe.optim, recipe.device
     ttt_steps = optim.ttt_steps
     draft.eval()
-    loss_sum, correct, counted, masked = 0.0, [0.0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps
+    loss_sum, correct, accepted = 0.0, [0.0] * ttt_steps, [0.0] * ttt_steps
+    counted, masked = [0] * ttt_steps, [0] * ttt_steps
     for rows in held_out[world.rank :: world.size]:
         batch = to_device(_make_batch(recipe, None, optim.batch_size, rows), device)
-        result = _batch_loss(draft, batch, lm_head, optim, cross_entropy=cross_entropy)
+        result = _batch_loss(draft, batch, lm_head, optim, loss=loss)
         for k in range(ttt_steps):
             correct[k] += result.accs[k] * result.counted[k]
+            accepted[k] += result.alphas[k] * result.counted[k]
             counted[k] += result.counted[k]
             masked[k] += result.masked[k]
         loss_sum += result.loss.item() * sum(len(row) for row in rows)
     if world.size > 1:
-        sums = distributed.all_reduce_sum([loss_sum, *correct, *counted, *masked], device)
-        loss_sum, correct = sums[0], sums[1 : 1 + ttt_steps]
-        counted, masked = sums[1 + ttt_steps : 1 + 2 * ttt_steps], sums[1 + 2 * ttt_steps :]
+        sums = distributed.all_reduce_sum([loss_sum, *correct, *accepted, *counted, *masked], device)
+        loss_sum, rest = sums[0], sums[1:]
+        correct, accepted, counted, masked = (rest[i * ttt_steps : (i + 1) * ttt_steps] for i in range(4))
     draft.train()
     metrics = {f"eval/acc_{k}": correct[k] / max(1, counted[k]) for k in range(ttt_steps)}
+    metrics.update({f"eval/alpha_{k}": accepted[k] / max(1, counted[k]) for k in range(ttt_steps)})
     metrics["eval/loss"] = loss_sum / max(1, len(recipe.eval_samples))
     metrics["eval/draft_vocab_coverage"] = counted[0] / max(1, masked[0])
     return metrics
