@@ -179,6 +179,37 @@ def test_an_eagle31_drafter_exports_with_the_fields_and_keys_the_engines_read(fm
     assert_lossless(served, target)
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_the_eagle3ops_record_says_what_training_carried_and_copies_keep_their_sources(fmt, tmp_path, vocab,
+                                                                                         tiny_target_dir):
+    """A drafter eagle3ops trained records the state its training carried to the next draft step; an export or an
+    import keeps its source's record, and a source with none (a peer's) is named by its layout, never as ours."""
+    for eagle31, carried in ((True, "post_norm"), (False, "pre_norm")):
+        save_drafter(make_drafter(vocab, eagle31=eagle31), tmp_path / carried)
+        assert json.loads((tmp_path / carried / "config.json").read_text())["eagle3ops"] == {"carried_state": carried}
+        export_drafter(tmp_path / carried, tmp_path / f"{carried}-{fmt}", fmt, tiny_target_dir)
+        assert json.loads((tmp_path / f"{carried}-{fmt}" / "config.json").read_text())["eagle3ops"] == {
+            "carried_state": carried}
+        import_drafter(tmp_path / f"{carried}-{fmt}", tmp_path / f"{carried}-back")
+        assert read_drafter(tmp_path / f"{carried}-back").provenance == {"carried_state": carried}
+    peer = tmp_path / "peer"
+    save_drafter(make_drafter(vocab, eagle31=True), peer)
+    edit_config(peer, eagle3ops=None)  # as SpecForge writes it
+    assert read_drafter(peer).provenance == {"source_layout": "sglang"}
+    export_drafter(peer, tmp_path / f"peer-{fmt}", fmt, tiny_target_dir)
+    import_drafter(tmp_path / f"peer-{fmt}", tmp_path / "peer-back")
+    for copy in (tmp_path / f"peer-{fmt}", tmp_path / "peer-back"):
+        assert json.loads((copy / "config.json").read_text())["eagle3ops"] == {"source_layout": "sglang"}, copy
+
+
+def test_a_speculators_checkpoint_without_a_record_is_named_by_its_layout(tmp_path, vocab):
+    speculators_checkpoint(tmp_path / "spec", make_drafter(vocab), vllm_ids=AUX)
+    assert read_drafter(tmp_path / "spec").provenance == {"source_layout": "speculators"}
+    import_drafter(tmp_path / "spec", tmp_path / "imported")
+    assert json.loads((tmp_path / "imported" / "config.json").read_text())["eagle3ops"] == {
+        "source_layout": "speculators"}
+
+
 def test_an_eagle31_config_without_its_norms_or_the_reverse_is_refused(tmp_path, vocab):
     save_drafter(make_drafter(vocab, eagle31=True), tmp_path / "a")
     edit_config(tmp_path / "a", fc_norm=False)

@@ -9,7 +9,9 @@ Whatever the layout, a read drafter has our parameter names (fc, midlayer.*, nor
 weights, no embedding (it reads the target's), and a complete vocabulary map: a checkpoint with only one of
 d2t/t2d gets the other derived from it; one with neither is accepted only when its draft vocabulary is the whole
 target vocabulary (the identity map, as the EAGLE authors' code assumes). Anything that does not fit its config
-is refused with every key named.
+is refused with every key named. What is known of how it was trained travels with it: its config's eagle3ops
+record, or the layout it was read from (formats/specforge.py, PROVENANCE), which import_drafter and the export
+write into their copies.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.formats.conventions import rope_settings
 from eagle3ops.formats.eagle import WEIGHTS_BIN, read_bin
 from eagle3ops.formats.specforge import (
+    PROVENANCE,
     TRAINING_STATE,
     WEIGHTS,
     CheckpointError,
@@ -69,6 +72,9 @@ class DrafterCheckpoint:
     directory: Path
     rope_scaling: dict | None = None  # the drafter's own, as trained (our drafter applies plain rope)
     notes: list[str] = field(default_factory=list)  # what reading changed: a left-out embedding, a derived map
+    # its config's eagle3ops record ({"carried_state": ...} for a drafter eagle3ops trained), or, with none,
+    # {"source_layout": <layout>}: what a copy of it writes, so that a peer's drafter never passes for ours
+    provenance: dict = field(default_factory=dict)
 
 
 def read_json(path: Path) -> dict:
@@ -145,7 +151,14 @@ def drafter_from_raw(raw: RawCheckpoint) -> DrafterCheckpoint:
     weights = {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
     weights["d2t"], weights["t2d"] = weights["d2t"].long(), weights["t2d"].bool()
     _check_vocab_map(raw.weights_path, weights["d2t"], weights["t2d"])
-    return DrafterCheckpoint(cfg, weights, raw.layout, raw.directory, rope_scaling, notes)
+    return DrafterCheckpoint(cfg, weights, raw.layout, raw.directory, rope_scaling, notes, provenance_of(raw))
+
+
+def provenance_of(raw: RawCheckpoint) -> dict:
+    """What is known of how the drafter in `raw` was trained: its config's eagle3ops record, or, where it has none
+    (or not an object), the layout it is stored in."""
+    record = raw.config.get(PROVENANCE)
+    return dict(record) if isinstance(record, dict) and record else {"source_layout": raw.layout}
 
 
 def _check_vocab_map(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -229,11 +242,12 @@ def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
 
 
 def import_drafter(src_dir: str | Path, out_dir: str | Path) -> DrafterCheckpoint:
-    """Convert the drafter in `src_dir` (any layout) into our native layout in `out_dir`, atomically. A native
-    source's training_state.pt is copied as bytes (it is only ever loaded with weights_only)."""
+    """Convert the drafter in `src_dir` (any layout) into our native layout in `out_dir`, atomically, with the
+    source's provenance (a converted drafter is not one eagle3ops trained). A native source's training_state.pt is
+    copied as bytes (it is only ever loaded with weights_only)."""
     checkpoint = read_drafter(src_dir)
     with atomic_dir(out_dir) as out:
-        write_checkpoint(checkpoint.cfg, checkpoint.weights, out, checkpoint.rope_scaling)
+        write_checkpoint(checkpoint.cfg, checkpoint.weights, out, checkpoint.rope_scaling, checkpoint.provenance)
         state = Path(src_dir) / TRAINING_STATE
         if checkpoint.layout == "sglang" and state.is_file():
             shutil.copyfile(state, out / TRAINING_STATE)

@@ -8,7 +8,8 @@
 For the target: the layer ids are always written (a drafter whose config names none gets the engines' default
 for this target), max_position_embeddings is raised to the target's when shorter (it only sizes the rotary
 cache and the context limit; too small a value collapses acceptance on long prompts), and the speculators
-layout names the target as its verifier. The drafter's rope settings are its own and stay as trained. The
+layout names the target as its verifier. The drafter's rope settings are its own and stay as trained, and so
+does its provenance (the eagle3ops record, formats/specforge.py: check-compat reads it). The
 export is validated before it is moved into place: one that would not load, or would feed the drafter other
 layers than it was trained on, is never written.
 """
@@ -60,13 +61,14 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
               "convention": CONVENTIONS[convention]}
     with atomic_dir(out_dir) as out:
         if fmt == "sglang":
-            write_checkpoint(cfg, tensors, out, checkpoint.rope_scaling)
+            write_checkpoint(cfg, tensors, out, checkpoint.rope_scaling, checkpoint.provenance)
         else:
             if cfg.draft_vocab_size == cfg.vocab_size:
                 tensors = _without_identity_map(tensors, drafter_dir)
             architectures = read_json(check_model_dir(target_dir) / "config.json").get("architectures") or []
             config = to_speculators_config(cfg, dtype_name(tensors["fc.weight"].dtype), checkpoint.rope_scaling,
-                                           str(target_dir), architectures, speculative_tokens)
+                                           str(target_dir), architectures, speculative_tokens,
+                                           checkpoint.provenance)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             save_file(to_speculators_names(tensors), str(out / WEIGHTS), metadata={"format": "pt"})
         write_json_atomic(out / EXPORT_RECORD, record)

@@ -1,7 +1,8 @@
 """Drafter checkpoints in the SpecForge / SGLang "LlamaForCausalLMEagle3" layout.
 
     <dir>/config.json          architectures ["LlamaForCausalLMEagle3"], eagle_config {...}, fc_norm and
-                               norm_output (EAGLE-3.1, top level as SpecForge writes them; absent = false)
+                               norm_output (EAGLE-3.1, top level as SpecForge writes them; absent = false),
+                               eagle3ops {...} (what eagle3ops knows of how it was trained: PROVENANCE below)
     <dir>/model.safetensors    fc, fc_norm.{0,1,2} (EAGLE-3.1), midlayer.*, norm, lm_head, d2t, t2d (no embedding:
                                it is the target's)
     <dir>/training_state.pt    optional: optimizer, scheduler, step, RNG states, for resuming
@@ -9,6 +10,15 @@
 `eagle_aux_hidden_state_layer_ids` is written in SGLang's convention (id i = output of decoder layer i), which
 is HF hidden_states index i + 1; in memory we keep HF indices (see formats/conventions.py). Other layouts are
 read by formats/checkpoint.py and written by formats/export.py.
+
+The `eagle3ops` record. norm_output true means, to vLLM, SGLang, speculators and eagle3ops, that the post-norm state
+is carried to the next draft step; SpecForge before sgl-project/SpecForge#879 (merged 2026-09-15) wrote the same
+field but trained the pre-norm recurrence, and records no version of its own (only `transformers_version`), so a
+config alone cannot say which a drafter learned. A drafter eagle3ops trained says it: {"carried_state":
+"post_norm" | "pre_norm"}. A copy eagle3ops writes of another checkpoint (import-drafter, export) keeps that
+checkpoint's record, or, where it had none, names the layout it came from ({"source_layout": "sglang"}), so that a
+copy never passes for ours. vLLM, SGLang and speculators ignore the key (transformers keeps an unknown key as an
+attribute; vLLM's speculators reader takes only the fields it names; speculators' config allows extra fields).
 """
 from __future__ import annotations
 
@@ -26,15 +36,18 @@ from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 TRAINING_STATE = "training_state.pt"
+PROVENANCE = "eagle3ops"  # config.json key of the record (module docstring)
 
 
 class CheckpointError(InputError):
     """A drafter checkpoint that cannot be read or does not fit."""
 
 
-def to_hf_config(cfg: DraftConfig, torch_dtype: str = "float32", rope_scaling: dict | None = None) -> dict:
+def to_hf_config(cfg: DraftConfig, torch_dtype: str = "float32", rope_scaling: dict | None = None,
+                 provenance: dict | None = None) -> dict:
     """config.json of the layout. `rope_scaling`: the drafter's own, kept as it was trained (DraftConfig has none:
-    our drafter applies plain rope, but an imported one may have been trained with scaling)."""
+    our drafter applies plain rope, but an imported one may have been trained with scaling). `provenance`: the
+    eagle3ops record (module docstring); None writes none."""
     return {
         "architectures": [ARCHITECTURE],
         **llama_layer_config(cfg, torch_dtype, rope_scaling),
@@ -45,7 +58,19 @@ def to_hf_config(cfg: DraftConfig, torch_dtype: str = "float32", rope_scaling: d
             "eagle_aux_hidden_state_layer_ids": from_hf(cfg.aux_layers, "sglang"),
             "use_aux_hidden_state": True,
         },
+        **provenance_field(provenance),
     }
+
+
+def trained_provenance(cfg: DraftConfig) -> dict:
+    """The record of a drafter eagle3ops trained: the state its training carried to the next draft step, the
+    post-norm one with norm_output (modeling/draft.py, as vLLM and SGLang serve EAGLE-3.1), the pre-norm one
+    without (EAGLE-3)."""
+    return {"carried_state": "post_norm" if cfg.norm_output else "pre_norm"}
+
+
+def provenance_field(provenance: dict | None) -> dict:
+    return {PROVENANCE: dict(provenance)} if provenance else {}
 
 
 def eagle31_fields(cfg: DraftConfig) -> dict:
@@ -106,9 +131,10 @@ def read_config(directory: str | Path) -> DraftConfig:
 
 
 def save_drafter(draft: Eagle3Draft, directory: str | Path, training_state: dict | None = None) -> None:
+    """A drafter eagle3ops trained (its config carries trained_provenance), with its training state if given."""
     tensors = {name: t.detach().contiguous().cpu() for name, t in draft.state_dict().items()
                if not name.startswith("embed_tokens.")}
-    write_checkpoint(draft.cfg, tensors, directory)
+    write_checkpoint(draft.cfg, tensors, directory, provenance=trained_provenance(draft.cfg))
     if training_state is not None:
         torch.save(training_state, Path(directory) / TRAINING_STATE)
 
@@ -118,11 +144,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def write_checkpoint(cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: str | Path,
-                     rope_scaling: dict | None = None) -> None:
-    """config.json + model.safetensors from a config and the drafter's tensors (our names, no embedding)."""
+                     rope_scaling: dict | None = None, provenance: dict | None = None) -> None:
+    """config.json + model.safetensors from a config and the drafter's tensors (our names, no embedding).
+    `provenance`: the eagle3ops record to write (trained_provenance for a drafter trained here, the source's for a
+    copy); None writes none."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = to_hf_config(cfg, dtype_name(tensors["fc.weight"].dtype), rope_scaling)
+    config = to_hf_config(cfg, dtype_name(tensors["fc.weight"].dtype), rope_scaling, provenance)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
 

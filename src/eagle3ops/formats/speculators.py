@@ -3,7 +3,7 @@
     <dir>/config.json          architectures ["Eagle3Speculator"], speculators_model_type "eagle3",
                                transformer_layer_config (the 1-layer Llama config: sizes, vocab_size, positions,
                                rope), draft_vocab_size, target_hidden_size, norm_before_residual,
-                               fc_norm and norm_output (EAGLE-3.1),
+                               fc_norm and norm_output (EAGLE-3.1), eagle3ops (the record, specforge.py),
                                eagle_aux_hidden_state_layer_ids (vLLM's convention: HF hidden-state indices),
                                speculators_config {algorithm, proposal_methods, default_proposal_method,
                                verifier {name_or_path, architectures}}
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from eagle3ops.formats.conventions import from_hf, rope_settings, to_hf
-from eagle3ops.formats.specforge import CheckpointError, eagle31_fields, llama_layer_config
+from eagle3ops.formats.specforge import CheckpointError, eagle31_fields, llama_layer_config, provenance_field
 from eagle3ops.modeling.draft import DraftConfig
 
 ARCHITECTURE = "Eagle3Speculator"
@@ -29,7 +29,8 @@ LAYER_PREFIX, OUR_PREFIX = "layers.0.", "midlayer."
 
 
 def to_speculators_config(cfg: DraftConfig, torch_dtype: str, rope_scaling: dict | None, verifier: str,
-                          verifier_architectures: list[str], speculative_tokens: int) -> dict:
+                          verifier_architectures: list[str], speculative_tokens: int,
+                          provenance: dict | None = None) -> dict:
     layer = {**llama_layer_config(cfg, torch_dtype, rope_scaling), "attention_bias": False, "mlp_bias": False}
     return {
         "architectures": [ARCHITECTURE],
@@ -48,6 +49,7 @@ def to_speculators_config(cfg: DraftConfig, torch_dtype: str, rope_scaling: dict
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
         },
+        **provenance_field(provenance),
     }
 
 
