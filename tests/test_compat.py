@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +15,8 @@ import torch
 from eagle3ops.cli import main
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage, draft_to_target_ids
+from eagle3ops.formats.checkpoint import import_drafter, read_drafter
+from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.specforge import CheckpointError, load_drafter, read_weights, save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import load_embedding_and_head
@@ -24,12 +30,13 @@ DATA = Counter({token: 100 - token % 50 for token in range(40, 140)})  # loss-ma
 
 def make_drafter(path: Path, vocab: int = VOCAB, hidden: int = HIDDEN, layers: list[int] = LAYERS,
                  tokens: range = range(40, 140), draft_vocab: int = 100, max_positions: int = 512,
-                 heads: int = 1) -> Path:
-    """A drafter whose draft vocabulary is `tokens` (padded with the lowest other ids), saved at `path`."""
+                 heads: int = 1, fc_norm: bool = False, norm_output: bool = False) -> Path:
+    """A drafter whose draft vocabulary is `tokens` (padded with the lowest other ids), saved at `path` (as
+    eagle3ops saves what it trained: with its record)."""
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=heads, num_key_value_heads=heads,
                       vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden, aux_layers=layers,
-                      max_position_embeddings=max_positions)
+                      max_position_embeddings=max_positions, fc_norm=fc_norm, norm_output=norm_output)
     draft = Eagle3Draft(cfg)
     d2t, t2d = build_vocab_map(Counter({t: 1 for t in tokens}), vocab, draft_vocab)
     draft.d2t.copy_(d2t)
@@ -38,8 +45,21 @@ def make_drafter(path: Path, vocab: int = VOCAB, hidden: int = HIDDEN, layers: l
     return path
 
 
+def as_specforge_wrote_it(path: Path) -> Path:
+    """The drafter at `path` as SpecForge's save_pretrained writes one: the same layout and fields, its
+    transformers_version, and no eagle3ops record (SpecForge records no version or trainer of its own)."""
+    config = json.loads((path / "config.json").read_text())
+    config.pop("eagle3ops")
+    (path / "config.json").write_text(json.dumps({**config, "transformers_version": "4.57.1"}, indent=2))
+    return path
+
+
 def levels(report) -> dict[str, str]:
     return {f.check: f.level for f in report.findings}
+
+
+def message(report, check: str) -> str:
+    return next(f.message for f in report.findings if f.check == check)
 
 
 def test_same_family_drafter_is_compatible(tmp_path, tiny_target_dir):
@@ -120,10 +140,101 @@ def test_cli_measures_coverage_on_a_conversations_file(tmp_path, tiny_target_dir
     assert code == 4 and "[HEAD] draft_vocab" in capsys.readouterr().out
 
 
+# --- EAGLE-3.1's norm_output: the recurrence the drafter learned against the one the engines run ----------------
+
+def test_an_eagle3_drafter_is_not_flagged_whoever_wrote_it(tmp_path, tiny_target_dir):
+    for name, fc_norm in (("eagle3", False), ("fc_norm_only", True)):  # norm_output false: pre-norm state everywhere
+        drafter = as_specforge_wrote_it(make_drafter(tmp_path / name, fc_norm=fc_norm))
+        report = check_compat(tiny_target_dir, drafter, LAYERS, DATA)
+        assert levels(report)["variant"] == "ok" and report.verdict == "compatible", name
+        assert "norm_output" not in message(report, "variant") and "#879" not in message(report, "variant")
+
+
+def test_an_eagle31_drafter_from_specforge_without_a_record_is_flagged_with_what_to_do(tmp_path, tiny_target_dir):
+    drafter = as_specforge_wrote_it(make_drafter(tmp_path / "sf", fc_norm=True, norm_output=True))
+    report = check_compat(tiny_target_dir, drafter, LAYERS, DATA)
+    assert levels(report)["variant"] == "warning" and report.verdict == "compatible"  # a warning, not a refusal
+    text = message(report, "variant")
+    # the trap: what the engines run, what SpecForge before the fix trained, and that nothing on disk tells them apart
+    assert "EAGLE-3.1" in text and "SpecForge / SGLang" in text and "sgl-project/SpecForge#879" in text
+    assert "post-norm state feeds the next draft step" in text and "PRE-norm state to the next step" in text
+    assert "writes no version" in text and "acceptance from the second draft on drops, silently" in text
+    # what to do: which setting is right for which trainer, and how to measure it
+    assert "before #879: set norm_output false and keep fc_norm" in text
+    assert "after #879, TorchSpec or speculators: norm_output true is right" in text
+    assert f"dvc exp run eval@baseline -S train.warm_start={drafter}" in text
+    assert f"dvc exp run eval@baseline -S train.warm_start={drafter}-norm-output-false" in text
+    assert '"eagle3ops": {"carried_state": "post_norm"}' in text
+
+
+def test_the_advised_copy_with_norm_output_false_is_what_it_says(tmp_path, tiny_target_dir):
+    drafter = as_specforge_wrote_it(make_drafter(tmp_path / "sf", fc_norm=True, norm_output=True))
+    text = message(check_compat(tiny_target_dir, drafter, LAYERS), "variant")
+    command = shlex.split(re.search(r"\(python -c (.+?)\), then", text).group(1))
+    subprocess.run([sys.executable, "-c", *command], check=True)
+    copy = tmp_path / "sf-norm-output-false"
+    assert read_drafter(copy).cfg.fc_norm and not read_drafter(copy).cfg.norm_output
+    assert torch.equal(read_weights(copy)["fc_norm.0.weight"], read_weights(drafter)["fc_norm.0.weight"])
+    assert levels(check_compat(tiny_target_dir, copy, LAYERS))["variant"] == "ok"
+
+
+def test_an_eagle31_drafter_eagle3ops_trained_or_recorded_by_hand_is_not_flagged(tmp_path, tiny_target_dir):
+    ours = make_drafter(tmp_path / "ours", fc_norm=True, norm_output=True)
+    assert json.loads((ours / "config.json").read_text())["eagle3ops"] == {"carried_state": "post_norm"}
+    report = check_compat(tiny_target_dir, ours, LAYERS, DATA)
+    assert levels(report)["variant"] == "ok" and "eagle3ops record" in message(report, "variant")
+    measured = as_specforge_wrote_it(make_drafter(tmp_path / "sf", fc_norm=True, norm_output=True))
+    config = json.loads((measured / "config.json").read_text())
+    (measured / "config.json").write_text(json.dumps({**config, "eagle3ops": {"carried_state": "post_norm"}}))
+    assert levels(check_compat(tiny_target_dir, measured, LAYERS))["variant"] == "ok"  # as the message says
+
+
+def test_a_record_of_the_pre_norm_recurrence_under_norm_output_true_is_flagged(tmp_path, tiny_target_dir):
+    drafter = make_drafter(tmp_path / "d", fc_norm=True, norm_output=True)
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "eagle3ops": {"carried_state": "pre_norm"}}))
+    report = check_compat(tiny_target_dir, drafter, LAYERS)
+    assert levels(report)["variant"] == "warning" and "Set norm_output false" in message(report, "variant")
+
+
+def test_a_copy_eagle3ops_makes_of_a_specforge_drafter_stays_flagged(tmp_path, tiny_target_dir):
+    """import-drafter and the export keep the source's provenance: converting it is no evidence of the fix."""
+    source = as_specforge_wrote_it(make_drafter(tmp_path / "sf", fc_norm=True, norm_output=True))
+    import_drafter(source, tmp_path / "imported")
+    assert read_drafter(tmp_path / "imported").provenance == {"source_layout": "sglang"}
+    assert export_drafter(source, tmp_path / "spec", "speculators", tiny_target_dir).ok
+    for copy in (tmp_path / "imported", tmp_path / "spec"):
+        report = check_compat(tiny_target_dir, copy, LAYERS)
+        assert levels(report)["variant"] == "warning" and "SpecForge / SGLang" in message(report, "variant"), copy
+
+
+def test_cli_prints_the_norm_output_warning_and_keeps_the_verdict(tmp_path, tiny_target_dir, capsys):
+    drafter = as_specforge_wrote_it(make_drafter(tmp_path / "sf", fc_norm=True, norm_output=True))
+    out = tmp_path / "report.json"
+    assert main(["check-compat", str(tiny_target_dir), str(drafter), "--aux-layers", "1", "2", "3",
+                 "--json", str(out)]) == 0  # warnings leave the verdict compatible (exit 0)
+    printed = capsys.readouterr().out
+    assert "[WARN] variant: EAGLE-3.1 (" in printed and "set norm_output false" in printed
+    assert "verdict: compatible" in printed
+    finding = next(f for f in json.loads(out.read_text())["findings"] if f["check"] == "variant")
+    assert finding["level"] == "warning"
+    ours = make_drafter(tmp_path / "ours", fc_norm=True, norm_output=True)
+    assert main(["check-compat", str(tiny_target_dir), str(ours), "--aux-layers", "1", "2", "3"]) == 0
+    assert "[  ok] variant: EAGLE-3.1 (" in capsys.readouterr().out
+
+
 def warm_start(tmp_path, target_dir, drafter, counts=DATA, **options):
     embedding, lm_head = load_embedding_and_head(target_dir)
     new_vocab = build_vocab_map(counts, VOCAB, 100)
     return load_warm_start(drafter, target_dir, embedding, lm_head, LAYERS, counts, new_vocab, **options), lm_head
+
+
+def test_warm_start_reports_the_norm_output_warning(tmp_path, tiny_target_dir):
+    """The warm start runs the same check; train@warm_start prints its report and logs it (compat.json)."""
+    drafter = as_specforge_wrote_it(make_drafter(tmp_path / "sf", fc_norm=True, norm_output=True))
+    warm, _ = warm_start(tmp_path, tiny_target_dir, drafter)
+    assert warm.compat.verdict == "compatible" and levels(warm.compat)["variant"] == "warning"
+    assert "[WARN] variant:" in warm.compat.render() and warm.draft.cfg.norm_output
 
 
 def test_warm_start_refuses_an_incompatible_drafter(tmp_path, tiny_target_dir):

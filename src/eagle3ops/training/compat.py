@@ -3,7 +3,8 @@
 A drafter reads the target's token embedding (so it needs the same vocabulary and hidden size), fuses three of
 the target's layers (so the ids must exist in the target, and must be the layers it was trained on), and
 predicts over its own draft vocabulary (so that vocabulary must cover the tokens the new data asks for).
-Each check gives a finding; the verdict is the worst of them:
+It also says which variant it is and, for EAGLE-3.1's norm_output, whether the recurrence it learned is the one the
+engines will run (`_variant`). Each check gives a finding; the verdict is the worst of them:
 
     compatible       warm-start as is (warnings, if any, say what to watch)
     needs_new_head   the body fits, but the draft vocabulary covers too little of the new data: re-head it
@@ -12,6 +13,7 @@ Each check gives a finding; the verdict is the worst of them:
 """
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 from eagle3ops.config import TrainConfig
 from eagle3ops.data.vocab import build_vocab_map, coverage
 from eagle3ops.errors import InputError
-from eagle3ops.formats.checkpoint import read_drafter
+from eagle3ops.formats.checkpoint import DrafterCheckpoint, read_drafter
 from eagle3ops.formats.conventions import rope_settings
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import default_aux_layers, text_config
@@ -83,18 +85,76 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
     _hidden_size(report, cfg, target)
     _layers(report, cfg, target, aux_layers)
     _attention(report, cfg, target)
-    _variant(report, cfg)
+    _variant(report, checkpoint)
     if data_counts is not None:
         _draft_vocab(report, cfg, checkpoint.weights["t2d"], data_counts, min_coverage)
     return report
 
 
-def _variant(report: CompatReport, cfg: DraftConfig) -> None:
+def _variant(report: CompatReport, checkpoint: DrafterCheckpoint) -> None:
+    cfg = checkpoint.cfg
     switches = (("fc_norm: an RMSNorm per target layer before fc", cfg.fc_norm),
                 ("norm_output: the post-norm state carried to the next step", cfg.norm_output))
     parts = [part for part, on in switches if on]
-    report.add("variant", "ok", "EAGLE-3.1 (" + "; ".join(parts) + "): the engine serving it must read these fields"
-               if parts else "EAGLE-3")
+    if not parts:
+        report.add("variant", "ok", "EAGLE-3")
+        return
+    named = "EAGLE-3.1 (" + "; ".join(parts) + "): the engine serving it must read these fields"
+    if not cfg.norm_output:  # the pre-norm state goes to the next step, whoever trained it
+        report.add("variant", "ok", named)
+        return
+    level, why = _norm_output_provenance(checkpoint, report.drafter)
+    report.add("variant", level, f"{named}. {why}")
+
+
+LAYOUT_NAMES = {"sglang": "SpecForge / SGLang (LlamaForCausalLMEagle3)", "eagle": "EAGLE authors'",
+                "speculators": "speculators (Eagle3Speculator)"}
+
+
+def _norm_output_provenance(checkpoint: DrafterCheckpoint, drafter: str) -> tuple[str, str]:
+    """(level, why) for a drafter whose config says norm_output true: vLLM, SGLang and eagle3ops then carry the
+    post-norm state to the next draft step, and SpecForge before #879 trained with the pre-norm one under the same
+    field. What decides is the drafter's provenance (formats/specforge.py, PROVENANCE): SpecForge records no
+    version of its own."""
+    record = checkpoint.provenance
+    carried = record.get("carried_state")
+    if carried == "post_norm":
+        return "ok", ("Its training carried the post-norm state to the next step (its config's eagle3ops record), "
+                      "the recurrence vLLM and SGLang run for norm_output true")
+    if carried == "pre_norm":
+        return "warning", ("But its config's eagle3ops record says its training carried the PRE-norm state to the "
+                           "next step (EAGLE-3's recurrence): served with norm_output true, every draft after the "
+                           "first reads a state it was not trained on and acceptance drops silently. Set "
+                           "norm_output false in its config.json (keep fc_norm): that is the recurrence it learned")
+    layout = record.get("source_layout", checkpoint.layout)
+    if layout == "speculators":
+        return "ok", ("speculators' trainer carries the post-norm state to the next step, as vLLM and SGLang serve "
+                      "norm_output true (a drafter `speculators convert` made from a SpecForge checkpoint keeps "
+                      "that checkpoint's meaning: check the original)")
+    return "warning", _norm_output_trap(LAYOUT_NAMES.get(layout, layout), drafter)
+
+
+def _norm_output_trap(layout: str, drafter: str) -> str:
+    source = Path(drafter)
+    copy = source.with_name(source.name + "-norm-output-false")
+    flip = ('import json,shutil,sys; s,d=sys.argv[1:]; shutil.copytree(s,d); p=d+"/config.json"; '
+            'c=json.load(open(p)); c["norm_output"]=False; open(p,"w").write(json.dumps(c,indent=2))')
+    return (f"A {layout} checkpoint with no record of which state its training carried from one draft step to "
+            f"the next. vLLM and SGLang (and eagle3ops) run norm_output true as EAGLE-3.1's recurrence: the post-norm "
+            f"state feeds the next draft step as well as the head. SpecForge before sgl-project/SpecForge#879 "
+            f"(merged 2026-09-15; v0.3 among those releases) wrote norm_output true but trained EAGLE-3's: the head "
+            f"on the post-norm state, the PRE-norm state to the next step; and it writes no version of its own into "
+            f"config.json, so the files cannot tell. Such a drafter served as EAGLE-3.1 drafts its first token as "
+            f"trained and every later one from a state it never saw: acceptance from the second draft on drops, "
+            f"silently (the output stays lossless). Trained by SpecForge before #879: set norm_output false and keep "
+            f"fc_norm, exactly the recurrence it learned, which the engines serve as such. Trained by SpecForge after "
+            f"#879, TorchSpec or speculators: norm_output true is right. Unsure: measure tau both ways, on a copy "
+            f"with norm_output false (python -c {shlex.quote(flip)} {shlex.quote(str(source))} "
+            f"{shlex.quote(str(copy))}), then `dvc exp run eval@baseline -S train.warm_start={shlex.quote(str(source))}` "
+            f"and `dvc exp run eval@baseline -S train.warm_start={shlex.quote(str(copy))}`, and compare tau and "
+            f"accept_2.. in metrics/eval-baseline.json; serve, and warm-start from, the better one. To record the "
+            f"answer for norm_output true, add \"eagle3ops\": {{\"carried_state\": \"post_norm\"}} to its "
+            f"config.json: this check then passes")
 
 
 def _vocabulary(report: CompatReport, cfg: DraftConfig, target: dict) -> None:
