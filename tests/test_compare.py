@@ -26,6 +26,8 @@ from eagle3ops.runs.compare import (
     within_runs,
     write_report,
 )
+from eagle3ops.runs.phases import timed_phases
+from eagle3ops.runs.records import PipelineRecord, StageRecord
 from eagle3ops.tracking.run import stage_run
 from helpers import isolate
 
@@ -165,6 +167,25 @@ def test_ratios_against_the_first_run(client: MlflowClient) -> None:
         f"{B}: warm_start +0.40 tau vs scratch at 1,500 vs 2,000 steps",
         f"{C}: warm_start +0.50 tau vs scratch at the same steps (1,000)",
     ]
+
+
+def test_the_sampled_decoding_is_a_phase_of_its_own() -> None:
+    """An eval that measured tau again at eval.sampled_temperature times that decoding as decode_sampled: compare
+    shows it beside the primary decoding (seconds and tokens/s); runs without it show no such row."""
+    def record(name: str, sampled_s: float | None) -> PipelineRecord:
+        metrics = {**_eval(10, 40, (0.7, 0.5, 0.3), 150),
+                   **({"time/decode_sampled_s": sampled_s, "sampled/spec_tokens_per_s": 120.0} if sampled_s else {})}
+        stage = StageRecord("eval@scratch", "eval", "scratch", f"id-{name}", False, metrics, {},
+                            {"hardware.label": "cpu-2c"})
+        return PipelineRecord(f"parent-{name}", name, {}, stages={"eval@scratch": stage})
+
+    both, primary_only = record("both", 25.0), record("primary", None)
+    assert [phase.name for phase, _ in timed_phases(both)] == ["eval@scratch", "eval@scratch sampled"]
+    assert [phase.name for phase, _ in timed_phases(primary_only)] == ["eval@scratch"]
+    table = side_by_side([both, primary_only])
+    seconds, rate = table.loc["eval@scratch sampled s"].tolist(), table.loc["eval@scratch sampled tok/s"].tolist()
+    assert seconds[0] == 25.0 and rate[0] == 120.0 and math.isnan(seconds[1]) and math.isnan(rate[1])
+    assert "eval@scratch sampled s" not in side_by_side([primary_only]).index
 
 
 def test_variant_filter_keeps_that_drafters_runs_and_rows(client: MlflowClient) -> None:

@@ -1,13 +1,19 @@
-"""Capture hooks, extraction, acceptance counting and lossless greedy speculative decoding on tiny models."""
+"""Capture hooks, extraction, acceptance counting and lossless greedy speculative decoding on tiny models; the
+eval stage's measurement at eval.temperature and again at eval.sampled_temperature."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from mlflow import MlflowClient
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eagle3ops.config import ConfigError, load_config
+from eagle3ops.config import Config, ConfigError, EvalConfig, PromptSetConfig, TargetConfig, load_config
 from eagle3ops.data.shards import iter_samples
+from eagle3ops.decoding import evaluation
 from eagle3ops.decoding.batching import TargetBatch
+from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, sampled_fields, sampled_settings
 from eagle3ops.decoding.speculative import (
     AcceptanceStats,
     speculative_generate,
@@ -18,9 +24,12 @@ from eagle3ops.decoding.speculative import (
 from eagle3ops.decoding.tree import Candidates, DraftTree
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import extract_features
+from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import TargetError, capture, resolve_aux_layers
 from eagle3ops.spec_settings import DecodingError, SpecSettings
+from eagle3ops.stages import eval as eval_stage
+from helpers import isolate
 
 V, H, LAYERS = 64, 32, 6
 
@@ -263,3 +272,114 @@ def test_params_name_the_bad_eval_key(tmp_path):
         load_config(params, ["eval.batch_size=0"])
     cfg = load_config(params, ["eval.topk=2", "eval.num_draft_tokens=6", "eval.temperature=0.7"])
     assert SpecSettings.from_config(cfg.eval) == SpecSettings(k=3, topk=2, num_draft_tokens=6, temperature=0.7)
+
+
+# --- the eval stage: tau at eval.temperature, then again at eval.sampled_temperature --------------------------
+
+
+def test_the_sampled_settings_swap_the_temperature_alone():
+    tree = SpecSettings(k=4, topk=2, num_draft_tokens=7, top_p=0.9)
+    assert sampled_settings(tree, 1.0) == SpecSettings(k=4, topk=2, num_draft_tokens=7, top_p=0.9, temperature=1.0)
+    assert sampled_settings(tree, None) is None  # eval.sampled_temperature null: the primary measurement alone
+    assert sampled_settings(SpecSettings(temperature=0.7), 0.7) is None  # the primary is at that temperature already
+    with pytest.raises(DecodingError, match=r"at 1.0: draft_sample_method: probabilistic drafting is a chain") as err:
+        sampled_settings(SpecSettings(topk=2, draft_sample_method="probabilistic"), 1.0)
+    assert err.value.key == "sampled_temperature"
+
+
+def constant_pair(target):
+    """A target and a drafter that both always pick id 0 greedily (final norms zeroed: all logits 0); sampled, the
+    target's law is uniform over V, so a draft of 0 is accepted 1 time in V."""
+    constant = copy.deepcopy(target)
+    constant.model.norm.weight.data.zero_()
+    draft = drafter(constant, draft_vocab=V)
+    draft.norm.weight.data.zero_()
+    return constant, draft
+
+
+def test_the_sampled_pass_decodes_speculatively_alone(target, monkeypatch):
+    """reference=False: no target-alone decoding (nothing to check one sampled run against), the same prompts and
+    seeds; acceptance at the sampled temperature, far below greedy's for a drafter that only matches the argmax."""
+    constant, draft = constant_pair(target)
+    prompts = [{"id": f"p{i}", "set": "a" if i < 2 else "b", "messages": [{"ids": ids}]}
+               for i, ids in enumerate(prompts_of([4, 7, 5], seed=2))]
+    monkeypatch.setattr(evaluation, "prompt_ids", lambda tokenizer, messages: messages[0]["ids"])
+    tokenizer = type("Tokenizer", (), {"eos_token_id": V - 1})()
+    greedy = SpecSettings(k=3)
+    primary = decode_and_compare(constant, draft, tokenizer, prompts, greedy, 16, 2, 7, "test")
+    assert primary.overall.tau == 4.0 and not primary.mismatched and primary.plain_tokens == 3 * 16
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the sampled pass decoded the target alone")
+
+    monkeypatch.setattr(evaluation, "target_generate", no_reference)
+    sampled = decode_and_compare(constant, draft, tokenizer, prompts, sampled_settings(greedy, 1.0), 16, 2, 7, "test",
+                                 reference=False)
+    assert sampled.target_outputs == {} and sampled.mismatched == [] and sampled.plain_tokens == 0
+    assert sampled.spec_tokens > 0 and len(sampled.per_prompt) == 3 and set(sampled.per_set) == {"a", "b"}
+    assert 1.0 <= sampled.overall.tau < 1.5  # at temperature 0 it would be 4
+    again = decode_and_compare(constant, draft, tokenizer, prompts, sampled_settings(greedy, 1.0), 16, 1, 7, "test",
+                               reference=False)  # prompt i samples with seed + i, whatever the batch
+    assert [s.accepted_at for s in again.per_prompt] == [s.accepted_at for s in sampled.per_prompt]
+    block = sampled_fields(1.0, acceptance_fields(sampled.overall, sampled.per_set, {}, sampled.per_prompt, 7))
+    assert block["temperature"] == 1.0 and "prompts_by_set" not in block
+    assert block["tau_ci_low"] <= block["tau"] <= block["tau_ci_high"] and set(block["tau_by_set"]) == {"a", "b"}
+
+
+def write_constant_models(tiny_target_dir: Path, root: Path) -> tuple[Path, Path]:
+    """The tiny target with its final norm zeroed (greedy: always id 0; sampled: uniform) and a drafter that always
+    drafts id 0, saved where the eval stage reads them; (target dir, drafter dir)."""
+    model = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    model.model.norm.weight.data.zero_()
+    model.save_pretrained(root / "target")
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(root / "target")
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1,
+                      vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=hidden, aux_layers=[1, 2, 3])
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    draft.t2d[:] = True  # the whole vocabulary, d2t all 0
+    draft.norm.weight.data.zero_()
+    save_drafter(draft, root / "models" / "drafters" / "scratch")
+    return root / "target", root / "models" / "drafters" / "scratch"
+
+
+def test_eval_stage_measures_tau_at_both_temperatures(tmp_path, monkeypatch, tiny_target_dir):
+    """The metrics file, the MLflow run and the phases: tau at eval.temperature (greedy: every draft accepted,
+    lossless) and, in the `sampled` block, at eval.sampled_temperature 1 (the target's law uniform: almost none);
+    with sampled_temperature null, no block and no second decoding."""
+    store = isolate(monkeypatch, tmp_path)
+    target_dir, _ = write_constant_models(tiny_target_dir, tmp_path)
+    (tmp_path / "data" / "bench").mkdir(parents=True)
+    for name, count in (("chat", 3), ("code", 2)):
+        (tmp_path / "data" / "bench" / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"{name} question {i}: the fox writes"}) + "\n" for i in range(count)))
+
+    def evaluate(sampled_temperature):
+        cfg = Config(target=TargetConfig(path=str(target_dir), lineage_dep=str(target_dir), device="cpu"),
+                     eval=EvalConfig(k=3, max_new_tokens=12, engine=None, sets_dir="data/bench",
+                                     sets=[PromptSetConfig(n, f"data/bench/{n}.jsonl") for n in ("chat", "code")],
+                                     sampled_temperature=sampled_temperature))
+        cfg.mlflow.registered_model, cfg.mlflow.system_metrics = None, False
+        eval_stage.run(cfg, "scratch")
+        return json.loads((tmp_path / "metrics" / "eval-scratch.json").read_text())
+
+    metrics = evaluate(1.0)
+    assert metrics["temperature"] == 0.0 and metrics["tau"] == 4.0 and metrics["lossless"] is True
+    sampled = metrics["sampled"]
+    assert sampled["temperature"] == 1.0
+    assert 1.0 <= sampled["tau"] <= 1.0 + 3 and sampled["tau"] < 1.5  # at temperature 0 it would be 4, as above
+    assert sampled["tau_ci_low"] <= sampled["tau"] <= sampled["tau_ci_high"]
+    assert set(sampled["tau_by_set"]) == {"chat", "code"} and "prompts_by_set" not in sampled
+    assert sampled["verify_steps"] > metrics["verify_steps"] and sampled["emitted_tokens"] > 0
+    assert metrics["time"]["decode_sampled_s"] > 0 and "lossless" not in sampled
+    client = MlflowClient(store)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                               "tags.`eagle3ops.stage` = 'eval'")
+    logged = run.data.metrics
+    assert logged["tau"] == 4.0 and logged["sampled/tau"] == sampled["tau"] and "time/decode_sampled_s" in logged
+    assert logged["sampled/temperature"] == 1.0 and logged["sampled/tau/code"] == sampled["tau_by_set"]["code"]
+    assert logged["sampled/tau_ci_low"] == sampled["tau_ci_low"]
+
+    metrics = evaluate(None)
+    assert "sampled" not in metrics and "decode_sampled_s" not in metrics["time"] and metrics["tau"] == 4.0

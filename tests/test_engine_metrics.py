@@ -131,6 +131,8 @@ class FakeEngine(BaseHTTPRequestHandler):
         if self.path == "/v1/completions":
             # the test's encoder puts the acceptance last; a prompt rendered by a real chat template is looked up
             accepted = state.get("accepts", {}).get(tuple(request["prompt"]), request["prompt"][-1])
+            if request["temperature"] > 0:  # a drafter that does worse sampled, as real ones do
+                accepted = min(accepted, state.get("sampled_cap", accepted))
             tokens = STEPS_PER_REQUEST * (1 + accepted)
             self._send(200, json.dumps({"object": "text_completion", "choices": [
                 {"index": 0, "text": "x" * tokens, "token_ids": [5] * tokens, "finish_reason": "length"}],
@@ -256,15 +258,20 @@ def test_eval_stage_with_vllm_backend_writes_the_hf_schema(tmp_path, monkeypatch
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     accepts = {tuple(prompt_ids(tokenizer, p["messages"])): encode(p["messages"])[-1]
                for ps in prompt_sets().values() for p in ps}
-    with fake_engine(accepts=accepts) as (url, _):
-        cfg = Config(target=TargetConfig(path=str(tiny_target_dir), lineage_dep=str(tiny_target_dir)),
-                     eval=EvalConfig(k=K, sets=[PromptSetConfig(n, f"data/bench/{n}.jsonl") for n in prompt_sets()],
-                                     sets_dir="data/bench", backend="vllm", server_url=url, concurrency=4))
-        cfg.train.warm_start = str(drafter)
-        cfg.mlflow.registered_model, cfg.mlflow.system_metrics = None, False
-        eval_stage.run(cfg, "baseline")
-    metrics = json.loads((tmp_path / "metrics" / "eval-baseline.json").read_text())
-    assert metrics["tau_by_set"] == {"easy": 4.0, "mixed": 2.0, "hard": 1.0}
+    def evaluate(sampled_temperature) -> tuple[dict, list[float]]:
+        with fake_engine(accepts=accepts, sampled_cap=1) as (url, state):
+            sets = [PromptSetConfig(n, f"data/bench/{n}.jsonl") for n in prompt_sets()]
+            cfg = Config(target=TargetConfig(path=str(tiny_target_dir), lineage_dep=str(tiny_target_dir)),
+                         eval=EvalConfig(k=K, sets=sets, sets_dir="data/bench", backend="vllm", server_url=url,
+                                         concurrency=4, sampled_temperature=sampled_temperature))
+            cfg.train.warm_start = str(drafter)
+            cfg.mlflow.registered_model, cfg.mlflow.system_metrics = None, False
+            eval_stage.run(cfg, "baseline")
+        measured = [r["temperature"] for r in state["requests"] if r["max_tokens"] == cfg.eval.max_new_tokens]
+        return json.loads((tmp_path / "metrics" / "eval-baseline.json").read_text()), measured
+
+    metrics, temperatures = evaluate(1.0)
+    assert metrics["temperature"] == 0.0 and metrics["tau_by_set"] == {"easy": 4.0, "mixed": 2.0, "hard": 1.0}
     assert metrics["prompts_by_set"] == {"easy": 5, "mixed": 4, "hard": 3} and metrics["prompts"] == 12
     steps = 12 * STEPS_PER_REQUEST
     accepted = STEPS_PER_REQUEST * (5 * 3 + 2 * 2)
@@ -273,3 +280,14 @@ def test_eval_stage_with_vllm_backend_writes_the_hf_schema(tmp_path, monkeypatch
     assert [metrics[f"accept_{i}"] for i in (1, 2, 3)] == [round(n * STEPS_PER_REQUEST / steps, 4) for n in (7, 7, 5)]
     assert sum(key.startswith("accept_") for key in metrics) == K and "lossless" not in metrics
     assert metrics["emitted_tokens"] == steps + accepted and metrics["spec_tokens_per_s"] > 0
+    # measured again at eval.sampled_temperature, the same requests: the server's acceptance at that temperature
+    assert temperatures == [0.0] * 12 + [1.0] * 12
+    sampled = metrics["sampled"]
+    assert sampled["temperature"] == 1.0 and sampled["tau_by_set"] == {"easy": 2.0, "mixed": 1.5, "hard": 1.0}
+    assert sampled["tau"] == round(1 + STEPS_PER_REQUEST * (5 + 2) / steps, 4)
+    assert [sampled[f"accept_{i}"] for i in (1, 2, 3)] == [round(7 * STEPS_PER_REQUEST / steps, 4), 0.0, 0.0]
+    assert "tau_ci_low" not in sampled and "prompts_by_set" not in sampled  # an engine counts per set, not per prompt
+    assert metrics["time"]["decode_sampled_s"] > 0
+
+    metrics, temperatures = evaluate(None)
+    assert "sampled" not in metrics and "decode_sampled_s" not in metrics["time"] and temperatures == [0.0] * 12

@@ -11,7 +11,7 @@ import yaml
 from eagle3ops.config import Config, ConfigError, PromptSetConfig, PromptSetFormat, load_config
 from eagle3ops.data.conversations import DatasetError
 from eagle3ops.data.prompt_sets import PARSERS, load_set, load_sets
-from eagle3ops.reporting.summary import markdown, plot_tau_by_set, tau_by_set_table
+from eagle3ops.reporting.summary import headline, markdown, pipeline_metrics, plot, plot_tau_by_set, tau_by_set_table
 from eagle3ops.zoo.corpus import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +195,8 @@ def test_own_sets_in_their_directory_are_accepted(tmp_path):
 
 def eval_metrics(tau: float, by_set: dict[str, float], prompts: dict[str, int], **extra) -> dict:
     return {"tau": tau, "accept_1": 0.5, "accept_2": 0.25, "lossless": True, "mismatched_prompts": 0,
-            "prompts": sum(prompts.values()), "tau_by_set": by_set, "prompts_by_set": prompts, **extra}
+            "prompts": sum(prompts.values()), "tau_by_set": by_set, "prompts_by_set": prompts,
+            "time": {"stage_s": 1.0}, **extra}
 
 
 def test_report_has_tau_per_set_for_each_drafter(tmp_path):
@@ -209,16 +210,59 @@ def test_report_has_tau_per_set_for_each_drafter(tmp_path):
     del metrics["eval-warm_start"]["lossless"]
     table = tau_by_set_table(metrics)
     assert table.to_dict("records") == [
-        {"set": "gsm8k", "prompts": 3, "baseline": 1.3, "scratch": 2.8, "warm_start": 3.1},
-        {"set": "mt-bench", "prompts": 2, "baseline": 1.1, "scratch": 2.1, "warm_start": 2.6},
-        {"set": "overall", "prompts": 5, "baseline": 1.2, "scratch": 2.5, "warm_start": 2.9},
+        {"set": "gsm8k", "temperature": "T=0", "prompts": 3, "baseline": 1.3, "scratch": 2.8, "warm_start": 3.1},
+        {"set": "mt-bench", "temperature": "T=0", "prompts": 2, "baseline": 1.1, "scratch": 2.1, "warm_start": 2.6},
+        {"set": "overall", "temperature": "T=0", "prompts": 5, "baseline": 1.2, "scratch": 2.5, "warm_start": 2.9},
     ]
     text = markdown(metrics, "sqlite:///mlflow.db")
     assert "## Acceptance length tau per benchmark set" in text
-    assert "| mt-bench | 2 | 1.100 | 2.100 | 2.600 |" in re.sub(" +", " ", text)
+    assert "| mt-bench | T=0 | 2 | 1.100 | 2.100 | 2.600 |" in re.sub(" +", " ", text)
     assert "| warm_start | 2.900 |" in re.sub(" +", " ", text) and "not checked" in text
+    assert "T=1" not in text and "tau_sampled" not in headline(metrics)  # eval.sampled_temperature null
     plot_tau_by_set(metrics, tmp_path / "tau_by_set.png")
     assert (tmp_path / "tau_by_set.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert tau_by_set_table({}).empty
     plot_tau_by_set({}, tmp_path / "empty.png")  # before any eval has run, the report still renders
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def sampled(tau: float, by_set: dict[str, float], **extra) -> dict:
+    """The `sampled` block of an eval's metrics: tau again at eval.sampled_temperature."""
+    return {"temperature": 1.0, "tau": tau, "tau_ci_low": round(tau - 0.1, 4), "tau_ci_high": round(tau + 0.12, 4),
+            "accept_1": 0.4, "accept_2": 0.15, "tau_by_set": by_set, **extra}
+
+
+def test_report_shows_tau_at_both_temperatures(tmp_path):
+    """Wherever tau is shown per drafter: at eval.temperature (T=0) and at eval.sampled_temperature (T=1), each with
+    its interval and labelled by its temperature; a drafter measured at the primary temperature alone shows '-'."""
+    prompts = {"gsm8k": 3, "mt-bench": 2}
+    metrics = {
+        "eval-baseline": {**eval_metrics(1.2, {"gsm8k": 1.3, "mt-bench": 1.1}, prompts, temperature=0.0,
+                                         tau_ci_low=1.1, tau_ci_high=1.3),
+                          "sampled": sampled(1.05, {"gsm8k": 1.1, "mt-bench": 1.0})},
+        "eval-scratch": {**eval_metrics(3.51, {"gsm8k": 3.6, "mt-bench": 3.4}, prompts, temperature=0.0,
+                                        tau_ci_low=3.37, tau_ci_high=3.63, draft_vocab_coverage=1.0,
+                                        time={"stage_s": 30.0, "load_s": 1.0, "decode_sampled_s": 9.5}),
+                         "sampled": sampled(2.71, {"gsm8k": 2.9, "mt-bench": 2.4})},
+        "eval-warm_start": eval_metrics(3.5, {"gsm8k": 3.6, "mt-bench": 3.3}, prompts),
+    }
+    text = re.sub(" +", " ", markdown(metrics, "sqlite:///mlflow.db"))
+    assert "| drafter | tau T=0 | T=0 95% CI | tau T=1 | T=1 95% CI | lossless | vocab coverage |" in text
+    assert "| scratch | 3.510 | 3.37-3.63 | 2.710 | 2.61-2.83 | yes | 1.000 |" in text
+    assert "| warm_start | 3.500 | not measured | - | not measured | yes | - |" in text
+    assert "| scratch | T=1 | 0.400 | 0.150 | - |" in text  # acceptance by draft position, per temperature
+    assert "| mt-bench | T=1 | 2 | 1.000 | 2.400 | - |" in text and "| overall | T=1 | 5 | 1.050 | 2.710 | - |" in text
+    assert "| eval-scratch | 30.0 | 1.0 | 9.5 |" in text  # the stage's second decoding, timed apart
+    rendered = markdown(metrics, "sqlite:///mlflow.db")
+    widest = max(len(line) for line in rendered.splitlines() if line.startswith("|"))
+    assert widest <= 120, widest
+    assert tau_by_set_table(metrics)[["set", "temperature"]].values.tolist() == [
+        ["gsm8k", "T=0"], ["gsm8k", "T=1"], ["mt-bench", "T=0"], ["mt-bench", "T=1"], ["overall", "T=0"],
+        ["overall", "T=1"]]
+    assert headline(metrics)["tau_sampled"] == {"baseline": 1.05, "scratch": 2.71}
+    flat = pipeline_metrics(metrics)
+    assert (flat["tau/scratch"], flat["tau_sampled/scratch"]) == (3.51, 2.71) and "tau_sampled/warm_start" not in flat
+    plot_tau_by_set(metrics, tmp_path / "tau_by_set.png")
+    plot(metrics, {}, tmp_path / "comparison.png")
+    for name in ("tau_by_set.png", "comparison.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

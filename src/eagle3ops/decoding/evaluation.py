@@ -1,22 +1,25 @@
 """The eval stage's measurement on the hf backend: each prompt decoded speculatively and by the target alone, in
 batches, with the same seed and sampling; acceptance overall, per prompt set and per prompt, losslessness
-(greedy: the two outputs token for token) and the speed of each.
+(greedy: the two outputs token for token) and the speed of each. The measurement again at a sampling temperature
+(eval.sampled_temperature) decodes speculatively only: one sampled run has no reference to be checked against.
 
     measured = decode_and_compare(target, draft, tokenizer, prompts, settings, max_new_tokens, batch_size, seed, desc)
     fields = acceptance_fields(measured.overall, measured.per_set, prompts_by_set, measured.per_prompt, seed)
+    again = decode_and_compare(..., sampled_settings(settings, 1.0), ..., reference=False)
+    fields["sampled"] = sampled_fields(1.0, acceptance_fields(again.overall, again.per_set, {}, again.per_prompt, seed))
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
 from eagle3ops.progress import progress
-from eagle3ops.spec_settings import SpecSettings
+from eagle3ops.spec_settings import DecodingError, SpecSettings
 
 
 @dataclass
@@ -38,8 +41,10 @@ class Compared:
 
 
 def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: SpecSettings, max_new_tokens: int,
-                       batch_size: int, seed: int, desc: str) -> Compared:
-    """Prompt i (of `prompts`, each {id, set, messages}) samples with seed + i, whatever the batch size."""
+                       batch_size: int, seed: int, desc: str, reference: bool = True) -> Compared:
+    """Prompt i (of `prompts`, each {id, set, messages}) samples with seed + i, whatever the batch size.
+    reference=False: the speculative decoding alone, without the target-alone run; so no losslessness check, no
+    vocabulary coverage and no plain speed (target_outputs, mismatched, plain_* stay empty)."""
     eos = {tokenizer.eos_token_id}
     compared = Compared(AcceptanceStats(settings.k), defaultdict(lambda: AcceptanceStats(settings.k)))
     with progress(len(prompts), desc, "prompt") as bar:
@@ -49,17 +54,20 @@ def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: 
             start = time.perf_counter()
             generations = speculative_generate(target, draft, ids, settings, max_new_tokens, eos, seed + first)
             compared.spec_s += time.perf_counter() - start
-            start = time.perf_counter()  # the baseline: the target alone, same batch and sampling
-            references = target_generate(target, ids, max_new_tokens, eos, settings.temperature, settings.top_p,
-                                         seed + first)
-            compared.plain_s += time.perf_counter() - start
-            for prompt, generation, reference in zip(chunk, generations, references):
-                compared.target_outputs[prompt["id"]] = reference
+            references = [None] * len(chunk)
+            if reference:
+                start = time.perf_counter()  # the baseline: the target alone, same batch and sampling
+                references = target_generate(target, ids, max_new_tokens, eos, settings.temperature, settings.top_p,
+                                             seed + first)
+                compared.plain_s += time.perf_counter() - start
+            for prompt, generation, own in zip(chunk, generations, references):
                 compared.spec_tokens += len(generation.tokens)
-                compared.plain_tokens += len(reference)
-                compared.in_draft_vocab += int(draft.t2d[torch.tensor(reference)].sum())
-                if settings.greedy and generation.tokens != reference:  # sampled runs differ by design
-                    compared.mismatched.append(prompt["id"])
+                if own is not None:
+                    compared.target_outputs[prompt["id"]] = own
+                    compared.plain_tokens += len(own)
+                    compared.in_draft_vocab += int(draft.t2d[torch.tensor(own)].sum())
+                    if settings.greedy and generation.tokens != own:  # sampled runs differ by design
+                        compared.mismatched.append(prompt["id"])
                 compared.overall.merge(generation.stats)
                 compared.per_set[prompt["set"]].merge(generation.stats)
                 compared.per_prompt.append(generation.stats)
@@ -80,3 +88,40 @@ def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceSta
             "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
             "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
             "prompts_by_set": prompts_by_set}
+
+
+def sampled_temperature(primary: float, sampled: float | None) -> float | None:
+    """eval.sampled_temperature where it asks for a second measurement: not null, not the primary temperature."""
+    return None if sampled is None or sampled == primary else sampled
+
+
+def sampled_settings(settings: SpecSettings, temperature: float | None) -> SpecSettings | None:
+    """`settings` at eval.sampled_temperature (same k, topk, top_p, drafting); None where there is no second
+    measurement (sampled_temperature). DecodingError (key sampled_temperature) where the settings cannot sample:
+    a tree of probabilistic drafts."""
+    temperature = sampled_temperature(settings.temperature, temperature)
+    if temperature is None:
+        return None
+    try:
+        return replace(settings, temperature=temperature)
+    except DecodingError as err:
+        raise DecodingError("sampled_temperature", f"at {temperature}: {err.key}: {err.reason}") from None
+
+
+def sampled_fields(temperature: float, fields: dict) -> dict:
+    """The metrics block of the measurement at eval.sampled_temperature: its temperature, then its acceptance_fields
+    (tau, its interval where each prompt's counts are known, a_i, counts, tau per set) without prompts_by_set,
+    the primary measurement's."""
+    return {"temperature": temperature, **{key: value for key, value in fields.items() if key != "prompts_by_set"}}
+
+
+def engine_fields(k: int, measured: dict, prompts_by_set: dict[str, int]) -> dict:
+    """acceptance_fields of a measurement on a server (decoding/engines.py, {set: SetMeasurement}); a_i None where
+    the engine gave no counts per position; its emitted tokens and their rate."""
+    overall = AcceptanceStats.merged(k, [result.stats for result in measured.values()])
+    fields = acceptance_fields(overall, {name: result.stats for name, result in measured.items()}, prompts_by_set)
+    if not all(result.per_position for result in measured.values()):
+        fields.update({f"accept_{i}": None for i in range(1, k + 1)})
+    tokens = sum(result.completion_tokens for result in measured.values())
+    seconds = sum(result.seconds for result in measured.values())
+    return {**fields, "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}

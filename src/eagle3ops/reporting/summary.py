@@ -22,21 +22,66 @@ def draft_positions(eval_metrics: dict) -> int:
     return sum(1 for key in eval_metrics if key.startswith("accept_"))
 
 
+def temperature_label(temperature: float) -> str:
+    """T=0, T=1, T=0.7: how the report names the temperature a figure was measured at."""
+    return f"T={temperature:g}"
+
+
+def _evals(metrics: dict[str, dict]) -> dict[str, dict]:
+    return {d: metrics[f"eval-{d}"] for d in EvalDrafter if f"eval-{d}" in metrics}
+
+
+def _measurements(m: dict) -> list[dict]:
+    """An eval's measurements: the primary one (the file's top level), then the one at eval.sampled_temperature."""
+    return [m, m["sampled"]] if "sampled" in m else [m]
+
+
+def _at(m: dict) -> str:
+    """The temperature label of a measurement (eval.temperature: 0 in files written before the eval recorded it)."""
+    return temperature_label(m.get("temperature", 0.0))
+
+
+def _label(measurements: list[dict]) -> str | None:
+    """The temperature label of these measurements, several joined by "/" where they differ; None for none."""
+    labels = list(dict.fromkeys(_at(m) for m in measurements))
+    return "/".join(labels) if labels else None
+
+
+def _interval(m: dict) -> str:
+    return f"{m['tau_ci_low']:.2f}-{m['tau_ci_high']:.2f}" if "tau_ci_low" in m else "not measured"
+
+
 def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
+    """Per drafter: tau with its 95% interval at eval.temperature (the primary measurement) and, where the eval
+    measured it, at eval.sampled_temperature; tau on vLLM (at the primary temperature), losslessness (greedy)
+    and draft-vocabulary coverage."""
+    evals = _evals(metrics)
+    primary = _label(list(evals.values()))
+    sampled = _label([m["sampled"] for m in evals.values() if "sampled" in m])
     rows = []
-    for drafter in EvalDrafter:
-        m = metrics.get(f"eval-{drafter}")
-        if m is None:
-            continue
-        train = metrics.get(f"train-{drafter}", {})
-        interval = (f"{m['tau_ci_low']:.2f}-{m['tau_ci_high']:.2f}" if "tau_ci_low" in m else "not measured")
-        rows.append({"drafter": drafter, "tau": m["tau"], "tau 95% CI": interval,
-                     **({"tau on vLLM": m["vllm"]["tau"]} if "vllm" in m else {}),
-                     **{f"a{i}": m[f"accept_{i}"] for i in range(1, draft_positions(m) + 1)},
+    for drafter, m in evals.items():
+        row = {"drafter": drafter, f"tau {primary}": m["tau"], f"{primary} 95% CI": _interval(m)}
+        if sampled:
+            row.update({f"tau {sampled}": m["sampled"]["tau"] if "sampled" in m else None,
+                        f"{sampled} 95% CI": _interval(m["sampled"]) if "sampled" in m else "not measured"})
+        rows.append({**row, **({f"tau vLLM {primary}": m["vllm"]["tau"]} if "vllm" in m else {}),
                      "lossless": ("yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)")
                      if "lossless" in m else "not checked",  # sampled, or measured on an engine: no reference
-                     "vocab coverage": m.get("draft_vocab_coverage"),
-                     "ttt acc_0 (held-out)": train.get("eval/acc_0")})
+                     "vocab coverage": m.get("draft_vocab_coverage")})
+    return pd.DataFrame(rows)
+
+
+def position_table(metrics: dict[str, dict]) -> pd.DataFrame:
+    """Per drafter and temperature (the primary, then the sampled one): acceptance by draft position, beside the
+    trained drafter's step-0 accuracy on held-out data (a temperature-free figure: on the primary row)."""
+    rows = []
+    for drafter, m in _evals(metrics).items():
+        k = draft_positions(m)
+        acc_0 = metrics.get(f"train-{drafter}", {}).get("eval/acc_0")
+        for measured in _measurements(m):
+            rows.append({"drafter": drafter, "temperature": _at(measured),
+                         **{f"a{i}": measured.get(f"accept_{i}") for i in range(1, k + 1)},
+                         "ttt acc_0 (held-out)": acc_0 if measured is m else None})
     return pd.DataFrame(rows)
 
 
@@ -73,49 +118,61 @@ def served_table(metrics: dict[str, dict]) -> pd.DataFrame:
 
 
 def tau_by_set_table(metrics: dict[str, dict]) -> pd.DataFrame:
-    """One row per benchmark set (its prompts, each drafter's tau), then the overall row."""
-    evals = {d: metrics[f"eval-{d}"] for d in EvalDrafter if f"eval-{d}" in metrics}
+    """One row per benchmark set and temperature measured (the primary, then the sampled one), with its prompts
+    and each drafter's tau; then the overall rows."""
+    evals = _evals(metrics)
+    at = {d: {_at(measured): measured for measured in _measurements(m)} for d, m in evals.items()}
+    temperatures = list(dict.fromkeys(label for by_t in at.values() for label in by_t))
     names = list(dict.fromkeys(name for m in evals.values() for name in m.get("tau_by_set", {})))
-    rows = [{"set": name,
+    rows = [{"set": name, "temperature": t,
              "prompts": next((m["prompts_by_set"][name] for m in evals.values() if name in m.get("prompts_by_set", {})),
                              None),
-             **{d: m.get("tau_by_set", {}).get(name) for d, m in evals.items()}} for name in names]
+             **{d: by_t[t].get("tau_by_set", {}).get(name) if t in by_t else None for d, by_t in at.items()}}
+            for name in names for t in temperatures]
     if evals:
-        rows.append({"set": "overall", "prompts": next(iter(evals.values()))["prompts"],
-                     **{d: m["tau"] for d, m in evals.items()}})
-    return pd.DataFrame(rows, columns=["set", "prompts", *evals])
+        rows += [{"set": "overall", "temperature": t, "prompts": next(iter(evals.values()))["prompts"],
+                  **{d: by_t[t]["tau"] if t in by_t else None for d, by_t in at.items()}} for t in temperatures]
+    return pd.DataFrame(rows, columns=["set", "temperature", "prompts", *evals])
 
 
 def plot_tau_by_set(metrics: dict[str, dict], path: Path) -> None:
-    """Grouped bars: tau of every drafter on every benchmark set, and overall."""
+    """Grouped bars: tau of every drafter on every benchmark set, and overall; at the sampled temperature hatched,
+    beside the primary."""
     table = tau_by_set_table(metrics)
     drafters = [column for column in table.columns if column in list(EvalDrafter)]
-    width = 0.8 / max(1, len(drafters))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(table) + 2), 4.2))
-    for j, drafter in enumerate(drafters):
-        taus = table[drafter].astype(float)
-        bars = ax.bar([i + (j - (len(drafters) - 1) / 2) * width for i in range(len(table))], taus, width,
-                      label=drafter, color=COLORS[drafter])
-        ax.bar_label(bars, labels=["" if pd.isna(t) else f"{t:.2f}" for t in taus], fontsize=8)
-    ax.set_xticks(range(len(table)), table["set"])
+    sets = list(dict.fromkeys(table["set"]))
+    temperatures = list(dict.fromkeys(table["temperature"]))
+    bars = [(drafter, t) for drafter in drafters for t in temperatures]
+    width = 0.8 / max(1, len(bars))
+    fig, ax = plt.subplots(figsize=(max(6.0, (0.9 + 0.2 * len(bars)) * len(sets) + 2), 4.2))
+    for j, (drafter, t) in enumerate(bars):
+        taus = table[table["temperature"] == t].set_index("set")[drafter].reindex(sets).astype(float)
+        sampled = t != temperatures[0]
+        drawn = ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in range(len(sets))], taus, width,
+                       label=f"{drafter} {t}", color=COLORS[drafter], alpha=0.55 if sampled else 1.0,
+                       hatch="//" if sampled else None)
+        ax.bar_label(drawn, labels=["" if pd.isna(tau) else f"{tau:.2f}" for tau in taus], fontsize=7)
+    ax.set_xticks(range(len(sets)), sets)
     ax.set(title="Acceptance length tau per benchmark set", ylabel="tokens per verification step")
-    if drafters:
+    if bars:
         top = table[drafters].astype(float).max().max()
-        ax.set_ylim(0, 1.25 * top if top > 0 else 1)  # room for the legend above the bars
-        ax.legend(loc="upper left", ncol=len(drafters))
+        ax.set_ylim(0, 1.3 * top if top > 0 else 1)  # room for the legend above the bars
+        ax.legend(loc="upper left", ncol=min(len(bars), 3), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def headline(metrics: dict[str, dict]) -> dict:
-    """The pipeline run in a few numbers, for `metrics.json` (what `dvc exp show` puts first): tau per drafter,
-    tau and the served speed-up measured on vLLM, the simulator's last tau per trained drafter, each stage's wall
-    time and their sum."""
+    """The pipeline run in a few numbers, for `metrics.json` (what `dvc exp show` puts first): tau per drafter (at
+    eval.temperature, and at eval.sampled_temperature as tau_sampled), tau and the served speed-up measured on
+    vLLM, the simulator's last tau per trained drafter, each stage's wall time and their sum."""
     times = {stage: metrics[stage]["time"]["stage_s"] for stage in STAGES if stage in metrics}
     evals = {drafter: metrics[f"eval-{drafter}"] for drafter in EvalDrafter if f"eval-{drafter}" in metrics}
     served = {drafter: m["vllm"] for drafter, m in evals.items() if "vllm" in m}
+    sampled = {drafter: m["sampled"]["tau"] for drafter, m in evals.items() if "sampled" in m}
     return {"tau": {drafter: m["tau"] for drafter, m in evals.items()},
+            **({"tau_sampled": sampled} if sampled else {}),
             **({"tau_vllm": {drafter: m["tau"] for drafter, m in served.items()},
                 "speedup_vllm": served_speedups(metrics)} if served else {}),
             "sim_tau": {init: metrics[f"train-{init}"]["sim/tau"] for init in TrainInit
@@ -125,9 +182,12 @@ def headline(metrics: dict[str, dict]) -> dict:
 
 def pipeline_metrics(metrics: dict[str, dict]) -> dict[str, float]:
     """The MLflow metrics of the pipeline run itself (its parent run): the headline (tau per drafter from the
-    decoder and, where measured, from vLLM, with vLLM's speed-up), and per drafter tau on each benchmark set, acceptance by draft position and losslessness (1 or 0; left out where it was not checked)."""
+    decoder, tau_sampled at eval.sampled_temperature, and, where measured, from vLLM, with vLLM's speed-up), and per
+    drafter tau on each benchmark set, acceptance by draft position and losslessness (1 or 0; left out where it was
+    not checked)."""
     top = headline(metrics)
     flat = {f"tau/{drafter}": tau for drafter, tau in top["tau"].items()}
+    flat.update({f"tau_sampled/{drafter}": tau for drafter, tau in top.get("tau_sampled", {}).items()})
     flat.update({f"tau_vllm/{drafter}": tau for drafter, tau in top.get("tau_vllm", {}).items()})
     flat.update({f"speedup_vllm/{drafter}": ratio for drafter, ratio in top.get("speedup_vllm", {}).items()})
     flat.update({f"sim_tau/{init}": tau for init, tau in top["sim_tau"].items()})
@@ -152,8 +212,10 @@ def timing_table(metrics: dict[str, dict]) -> pd.DataFrame:
         throughput = next((f"{m[key]:,.0f} {unit}" for key, unit in
                            (("tokens_per_s", "tok/s"), ("spec_tokens_per_s", "tok/s (speculative)")) if key in m), "")
         rows.append({"stage": stage, "wall s": time.get("stage_s"), "load s": time.get("load_s"),
-                     "throughput": throughput})
-    return pd.DataFrame(rows)
+                     # an eval's second decoding, at eval.sampled_temperature (part of its wall time)
+                     "sampled s": time.get("decode_sampled_s"), "throughput": throughput})
+    frame = pd.DataFrame(rows, columns=["stage", "wall s", "load s", "sampled s", "throughput"])
+    return frame.drop(columns="sampled s") if frame["sampled s"].isna().all() else frame
 
 
 def acceptance_by_position(metrics: dict[str, dict]) -> pd.DataFrame:
@@ -170,16 +232,38 @@ def acceptance_curve(metrics: dict[str, dict]) -> pd.DataFrame:
 
 
 def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], path: Path) -> None:
-    curve = acceptance_curve(metrics)
+    """tau per drafter at each temperature measured (the sampled one hatched) with its 95% interval, acceptance by
+    draft position (the sampled one dashed), and the trained drafters' step-0 accuracy while training."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    taus = [(d, metrics[f"eval-{d}"]["tau"]) for d in EvalDrafter if f"eval-{d}" in metrics]
-    bars = axes[0].bar([d for d, _ in taus], [t for _, t in taus], color=[COLORS[d] for d, _ in taus])
-    axes[0].bar_label(bars, fmt="%.2f")
-    axes[0].set(title="Acceptance length tau (greedy, chain)", ylabel="tokens per verification step")
-    for drafter, group in curve.groupby("drafter", sort=False):
-        axes[1].plot(group["position"], group["acceptance"], marker="o", label=drafter)
+    evals = _evals(metrics)
+    for offset, sampled in ((-0.2, False), (0.2, True)):
+        shown = [(i, d, m["sampled"] if sampled else m) for i, (d, m) in enumerate(evals.items())
+                 if not sampled or "sampled" in m]
+        if not shown:
+            continue
+        errors = [[m["tau"] - m.get("tau_ci_low", m["tau"]) for _, _, m in shown],
+                  [m.get("tau_ci_high", m["tau"]) - m["tau"] for _, _, m in shown]]
+        bars = axes[0].bar([i + offset for i, _, _ in shown], [m["tau"] for _, _, m in shown], 0.4, yerr=errors,
+                           capsize=3, color=[COLORS[d] for _, d, _ in shown], alpha=0.55 if sampled else 1.0,
+                           hatch="//" if sampled else None)
+        axes[0].bar_label(bars, fmt="%.2f", fontsize=8)
+        axes[0].bar(0, 0, 0, color="white", edgecolor="black", hatch="//" if sampled else None,
+                    label=_label([m for _, _, m in shown]))  # the legend's entry, in no drafter's colour
+    axes[0].set_xticks(range(len(evals)), list(evals))
+    axes[0].set(title="Acceptance length tau (95% CI)", ylabel="tokens per verification step")
+    if evals:
+        axes[0].legend(title="temperature")
+    for drafter, m in evals.items():
+        positions = list(range(1, draft_positions(m) + 1))
+        for measured in _measurements(m):
+            shares = [measured.get(f"accept_{i}") for i in positions]
+            if positions and None not in shares:  # an engine that gave no counts per position
+                axes[1].plot(positions, shares, marker="o", color=COLORS[drafter], label=f"{drafter} {_at(measured)}",
+                             linestyle="-" if measured is m else "--")
     axes[1].set(title="Per-position acceptance", xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
-    axes[1].legend()
+    axes[1].xaxis.get_major_locator().set_params(integer=True)
+    if axes[1].lines:
+        axes[1].legend(fontsize=8)
     for init, history in train_histories.items():
         if "train/acc_0" in history:
             axes[2].plot(history["step"], history["train/acc_0"], label=f"{init} acc_0")
@@ -214,7 +298,8 @@ def _served_section(metrics: dict[str, dict]) -> list[str]:
         return []
     return ["## Served on vLLM", "", markdown_table(served, ".3f"), "",
             "tau vLLM and a_i from vLLM's own spec-decode counters, the drafter served with the target as the export "
-            "serves it; output = target's: prompts whose greedy output is token for token the target's own; tok/s: "
+            "serves it, at eval.temperature only (the primary measurement; tau at eval.sampled_temperature is the "
+            "decoder's); output = target's: prompts whose greedy output is token for token the target's own; tok/s: "
             "generated tokens per second over all prompts, the requests in flight together, with the drafter and "
             "(measured once, by the baseline's eval, on a server of its own) the target alone; speed-up = their "
             "ratio, on this hardware.", ""]
@@ -225,10 +310,16 @@ def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | N
     timings = timing_table(metrics)
     lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
              markdown_table(acceptance, ".3f"), "",
-             "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included); 95% CI = "
-             "its bootstrap interval over the prompts (two drafters whose intervals overlap are not clearly "
-             "apart); a_i = share of steps whose i-th draft was accepted; vocab coverage = share of the target's "
-             "tokens inside the drafter's vocabulary (a warm start keeps its own unless it is re-headed).", "",
+             "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included), at each "
+             "sampling temperature T measured: eval.temperature (the primary measurement: the greedy output checked "
+             "token for token against the target's, compared with vLLM, registered) and eval.sampled_temperature "
+             "(the same prompts and seeds sampled, as users serve; lossless in distribution, not checked run by run); "
+             "95% CI = its bootstrap interval over the prompts (two drafters whose intervals overlap are not "
+             "clearly apart); vocab coverage = share of the target's tokens inside the drafter's vocabulary (a "
+             "warm start keeps its own unless it is re-headed).", "",
+             "### Acceptance by draft position", "", markdown_table(position_table(metrics), ".3f"), "",
+             "a_i = share of verification steps whose i-th draft was accepted; ttt acc_0 = the "
+             "trained drafter's step-0 accuracy on held-out training data.", "",
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
              "![tau by set](tau_by_set.png)", "",
              *_served_section(metrics),

@@ -30,8 +30,13 @@ PHASES = (
     Phase("extract", "extract", "time/extract_s", "tokens_per_s"),
     # The pipeline trains and evaluates a drafter on one device; eval runs the fixed held-out prompt set.
     *(Phase(f"train@{init}", f"train@{init}", "time/train_s", "tokens_per_s", all_gpus=False) for init in TrainInit),
-    *(Phase(f"eval@{drafter}", f"eval@{drafter}", "time/decode_s", "spec_tokens_per_s", all_gpus=False,
-            grows_with_samples=False) for drafter in EvalDrafter),
+    # Each eval then measures tau again at eval.sampled_temperature: the same prompts decoded speculatively only (no
+    # target-alone reference); runs without it (sampled_temperature null, or older runs) have no decode_sampled_s.
+    *(phase for drafter in EvalDrafter for phase in (
+        Phase(f"eval@{drafter}", f"eval@{drafter}", "time/decode_s", "spec_tokens_per_s", all_gpus=False,
+              grows_with_samples=False),
+        Phase(f"eval@{drafter} sampled", f"eval@{drafter}", "time/decode_sampled_s", "sampled/spec_tokens_per_s",
+              all_gpus=False, grows_with_samples=False))),
 )
 
 

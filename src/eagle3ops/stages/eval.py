@@ -1,6 +1,11 @@
 """Stage `eval@<drafter>`: speculative decoding on the benchmark prompt sets; acceptance length per set and
 overall, and losslessness. eval.backend hf decodes here and, with eval.engine vllm, measures the drafter on vLLM
-too, side by side (decoding/served.py); vllm | sglang measure on a server only (decoding/engines.py)."""
+too, side by side (decoding/served.py); vllm | sglang measure on a server only (decoding/engines.py).
+
+eval.temperature is the primary measurement (checked against the target, compared with vLLM, registered); with
+eval.sampled_temperature, tau is measured a second time at that temperature, as users serve, by the same backend
+(metrics block `sampled`, MLflow `sampled/...`, phase `decode_sampled`). The side-by-side on vLLM (eval.engine)
+stays at the primary temperature only."""
 import hashlib
 from functools import partial
 from pathlib import Path
@@ -11,9 +16,15 @@ from eagle3ops.config import Config
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.data.prompt_sets import load_sets
 from eagle3ops.decoding.engines import measure
-from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare
+from eagle3ops.decoding.evaluation import (
+    acceptance_fields,
+    decode_and_compare,
+    engine_fields,
+    sampled_fields,
+    sampled_settings,
+    sampled_temperature,
+)
 from eagle3ops.decoding.served import Served, check_agreement, check_servable, measure_on_vllm, side_by_side
-from eagle3ops.decoding.speculative import AcceptanceStats
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
 from eagle3ops.spec_settings import SpecSettings
@@ -47,17 +58,28 @@ def run(cfg: Config, drafter: str) -> None:
             sets = load_sets(cfg.eval.sets, cfg.eval.max_prompts)
             prompts = [prompt for set_prompts in sets.values() for prompt in set_prompts]
         settings = SpecSettings.from_config(cfg.eval)
+        sampled = sampled_settings(settings, cfg.eval.sampled_temperature)
         with tracked.phase("decode"):
             measured = decode_and_compare(target, draft, tokenizer, prompts, settings, cfg.eval.max_new_tokens,
                                           cfg.eval.batch_size, cfg.seed, f"eval@{drafter}")
         mismatched = measured.mismatched
         if mismatched:
             tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
-        fields = acceptance_fields(measured.overall, measured.per_set,
-                                   {name: len(set_prompts) for name, set_prompts in sets.items()}, measured.per_prompt,
-                                   cfg.seed)
+        fields = {"temperature": settings.temperature,
+                  **acceptance_fields(measured.overall, measured.per_set,
+                                      {name: len(set_prompts) for name, set_prompts in sets.items()},
+                                      measured.per_prompt, cfg.seed)}
+        # the same prompts and seeds, speculatively only: lossless in distribution, not checked token for token
+        if sampled is not None:
+            with tracked.phase("decode_sampled"):
+                again = decode_and_compare(target, draft, tokenizer, prompts, sampled, cfg.eval.max_new_tokens,
+                                           cfg.eval.batch_size, cfg.seed, f"eval@{drafter} T={sampled.temperature}",
+                                           reference=False)
+            fields["sampled"] = sampled_fields(sampled.temperature, {
+                **acceptance_fields(again.overall, again.per_set, {}, again.per_prompt, cfg.seed),
+                "emitted_tokens": again.spec_tokens, "spec_tokens_per_s": round(again.spec_tokens / again.spec_s, 1)})
         size = model_size(target)
-        if cfg.eval.engine:
+        if cfg.eval.engine:  # at eval.temperature only: the sampled measurement is the decoder's
             del target, draft  # vLLM loads the target again, in its own process: leave it the device's memory
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -96,28 +118,27 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
             sets = load_sets(ev.sets, ev.max_prompts)
             # the engines are sent token ids, rendered with the target's chat template as the hf backend renders them
             encode = partial(prompt_ids, load_tokenizer(cfg.target))
-        with tracked.phase("decode"):
+
+        def measure_at(temperature: float, desc: str) -> dict:
             if ev.server_url:
-                measured = measure(ev.backend, ev.server_url, sets, ev.k, ev.max_new_tokens, ev.temperature,
-                                   ev.concurrency, f"eval@{drafter}", encode)
-            else:
-                measured = measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets, encode, ev.k,
-                                           ev.max_new_tokens, ev.temperature, ev.concurrency, cfg.seed, drafter,
-                                           target_alone=False).with_drafter
-        overall = AcceptanceStats.merged(ev.k, [result.stats for result in measured.values()])
-        fields = acceptance_fields(overall, {name: result.stats for name, result in measured.items()},
-                                   {name: len(set_prompts) for name, set_prompts in sets.items()})
-        if not all(result.per_position for result in measured.values()):
-            fields.update({f"accept_{i}": None for i in range(1, ev.k + 1)})
-        tokens = sum(result.completion_tokens for result in measured.values())
-        seconds = sum(result.seconds for result in measured.values())
+                return measure(ev.backend, ev.server_url, sets, ev.k, ev.max_new_tokens, temperature,
+                               ev.concurrency, desc, encode)
+            return measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets, encode, ev.k,
+                                   ev.max_new_tokens, temperature, ev.concurrency, cfg.seed, drafter,
+                                   target_alone=False).with_drafter
+
+        prompts_by_set = {name: len(set_prompts) for name, set_prompts in sets.items()}
+        with tracked.phase("decode"):
+            fields = {"temperature": ev.temperature,
+                      **engine_fields(ev.k, measure_at(ev.temperature, f"eval@{drafter}"), prompts_by_set)}
+        if (sampled := sampled_temperature(ev.temperature, ev.sampled_temperature)) is not None:
+            with tracked.phase("decode_sampled"):  # the same requests again (without a URL: a server of its own)
+                again = measure_at(sampled, f"eval@{drafter} T={sampled}")
+            fields["sampled"] = sampled_fields(sampled, engine_fields(ev.k, again, prompts_by_set))
         _register(cfg, tracked, drafter, path, fields, identity, "not checked")
         _log_per_set(tracked, fields)
         tracked.set_tags({"eagle3ops.eval.backend": str(ev.backend)})  # metrics files hold numbers
-        record(tracked, f"eval-{drafter}", {
-            "prompts": sum(len(set_prompts) for set_prompts in sets.values()), **fields,
-            "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-        })
+        record(tracked, f"eval-{drafter}", {"prompts": sum(prompts_by_set.values()), **fields})
 
 
 def _served_fields(cfg: Config, served: Served, references: dict[str, list[int]] | None) -> dict:
@@ -149,11 +170,13 @@ def _flat_metrics(prefix: str, fields: dict) -> dict[str, float]:
 
 
 def _log_per_set(tracked, fields: dict) -> None:
-    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set), and what
-    vLLM measured as `vllm/...`, unless registering the drafter logged them with its model already."""
+    """tau per benchmark set, as MLflow metrics `tau/<set>` (the metrics file keeps them under tau_by_set), what
+    vLLM measured as `vllm/...` and the measurement at eval.sampled_temperature as `sampled/...`, unless
+    registering the drafter logged them with its model already."""
     metrics = {f"tau/{name}": tau for name, tau in fields["tau_by_set"].items()}
-    if "vllm" in fields:
-        metrics.update(_flat_metrics("vllm", fields["vllm"]))
+    for block in ("vllm", "sampled"):
+        if block in fields:
+            metrics.update(_flat_metrics(block, fields[block]))
     tracked.log_metrics({key: value for key, value in metrics.items() if key not in tracked.logged})
 
 
@@ -178,6 +201,7 @@ def _register(cfg: Config, tracked, drafter: str, path: Path, fields: dict, iden
     paths = {s.name: s.path for s in ev.sets}
     linked = {"tau": (fields["tau"], None, None),
               **{f"tau/{name}": (tau, paths[name], digests[name]) for name, tau in fields["tau_by_set"].items()}}
-    if "vllm" in fields:  # the same drafter measured on vLLM: the version shows both
-        linked["vllm/tau"] = (fields["vllm"]["tau"], None, None)
+    for block in ("vllm", "sampled"):  # on vLLM, at the sampling temperature: the version shows them too
+        if block in fields:
+            linked[f"{block}/tau"] = (fields[block]["tau"], None, None)
     tracked.register_drafter(cfg.mlflow.registered_model, weights_sha256(path), fields["tau"], linked, measurement)

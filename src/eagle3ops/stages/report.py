@@ -1,6 +1,7 @@
-"""Stage `report`: compare the variants (tau overall and per benchmark set, per-position acceptance, stage
-timings) in markdown, CSV and PNG; the headline in metrics.json; and the pipeline run's own MLflow record (its
-parent run): the headline, the params that define the pipeline and those set for it, the report."""
+"""Stage `report`: compare the variants (tau overall and per benchmark set at eval.temperature and at
+eval.sampled_temperature, per-position acceptance, stage timings) in markdown, CSV and PNG; the headline in
+metrics.json; and the pipeline run's own MLflow record (its parent run): the headline, the params that define
+the pipeline and those set for it, the report."""
 import tempfile
 from pathlib import Path
 
