@@ -13,7 +13,7 @@ from eagle3ops.config import Config, ConfigError, EvalConfig, PromptSetConfig, T
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.decoding import evaluation
 from eagle3ops.decoding.batching import TargetBatch
-from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, sampled_fields, sampled_settings
+from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, sampled_fields
 from eagle3ops.decoding.speculative import (
     AcceptanceStats,
     speculative_generate,
@@ -27,7 +27,7 @@ from eagle3ops.extraction.hf import extract_features
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import TargetError, capture, resolve_aux_layers
-from eagle3ops.spec_settings import DecodingError, SpecSettings
+from eagle3ops.spec_settings import DecodingError, SpecSettings, sampled_settings
 from eagle3ops.stages import eval as eval_stage
 from helpers import isolate
 
@@ -270,6 +270,12 @@ def test_params_name_the_bad_eval_key(tmp_path):
         load_config(params, ["eval.num_draft_tokens=5"])
     with pytest.raises(ConfigError, match=r"key 'eval.batch_size': must be at least 1"):
         load_config(params, ["eval.batch_size=0"])
+    # probabilistic drafts in a tree: fine greedy, not at the second measurement's temperature; refused up front
+    with pytest.raises(ConfigError, match=r"key 'eval.sampled_temperature': at 1.0: draft_sample_method"):
+        load_config(params, ["eval.topk=2", "eval.draft_sample_method=probabilistic"])
+    load_config(params, ["eval.topk=2", "eval.draft_sample_method=probabilistic", "eval.sampled_temperature=null"])
+    with pytest.raises(ConfigError, match=r"key 'eval.sampled_temperature': must be above 0"):
+        load_config(params, ["eval.sampled_temperature=0"])
     cfg = load_config(params, ["eval.topk=2", "eval.num_draft_tokens=6", "eval.temperature=0.7"])
     assert SpecSettings.from_config(cfg.eval) == SpecSettings(k=3, topk=2, num_draft_tokens=6, temperature=0.7)
 

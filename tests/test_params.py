@@ -119,7 +119,9 @@ def test_a_stage_run_by_the_cli_is_held_to_its_dvc_yaml_entry(tmp_path, monkeypa
 @pytest.mark.parametrize("line, key", [("  optimizer: sgd\n", "train.optimizer"),
                                        ("  optimizer: adamw\n  muon_lr: 0.01\n", "train.muon_lr"),
                                        ("  ttt_positions: shifted\n", "train.ttt_positions"),
-                                       ("  warm_start_vocab: guess\n", "train.warm_start_vocab")])
+                                       ("  warm_start_vocab: guess\n", "train.warm_start_vocab"),
+                                       ("  loss: ce\n", "train.loss"), ("  lk_kl_scale: 2.0\n", "train.lk_kl_scale"),
+                                       ("  lk_kl_decay: -1.0\n", "train.lk_kl_decay")])
 def test_the_training_variants_keys_are_checked_by_name(tmp_path, line, key):
     """A choice outside the list, or Muon's rate with AdamW (it would be silently unused), names the key."""
     path = tmp_path / "params.yaml"

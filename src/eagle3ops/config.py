@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagle3ops.errors import InputError
-from eagle3ops.spec_settings import DRAFT_SAMPLE_METHODS, DecodingError, SpecSettings
+from eagle3ops.spec_settings import DRAFT_SAMPLE_METHODS, DecodingError, SpecSettings, sampled_settings
 
 
 class ConfigError(InputError):
@@ -410,8 +410,8 @@ class EvalConfig(Section):
     batch_size: int = 1  # hf backend: prompts decoded together
 
     def check(self) -> Iterator[tuple[str, str]]:
-        try:
-            SpecSettings.from_config(self)  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method
+        try:  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method; and at sampled_temperature
+            sampled_settings(SpecSettings.from_config(self), self.sampled_temperature)
         except DecodingError as err:
             yield err.key, err.reason
         if self.batch_size < 1:

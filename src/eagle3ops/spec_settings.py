@@ -15,7 +15,7 @@ Names and meanings follow the serving engines, so a measured tau transfers:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from eagle3ops.errors import InputError
 
@@ -84,3 +84,21 @@ class SpecSettings:
     def from_config(cls, config) -> SpecSettings:
         """From any object with these attribute names (config.EvalConfig)."""
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
+def sampled_temperature(primary: float, sampled: float | None) -> float | None:
+    """eval.sampled_temperature where it asks for a second measurement: not null, not the primary temperature."""
+    return None if sampled is None or sampled == primary else sampled
+
+
+def sampled_settings(settings: SpecSettings, temperature: float | None) -> SpecSettings | None:
+    """`settings` at eval.sampled_temperature (same k, topk, top_p, drafting); None where there is no second
+    measurement (sampled_temperature). DecodingError (key sampled_temperature) where the settings cannot sample:
+    a tree of probabilistic drafts."""
+    temperature = sampled_temperature(settings.temperature, temperature)
+    if temperature is None:
+        return None
+    try:
+        return replace(settings, temperature=temperature)
+    except DecodingError as err:
+        raise DecodingError("sampled_temperature", f"at {temperature}: {err.key}: {err.reason}") from None

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
 from eagle3ops.progress import progress
-from eagle3ops.spec_settings import DecodingError, SpecSettings
+from eagle3ops.spec_settings import SpecSettings
 
 
 @dataclass
@@ -88,24 +88,6 @@ def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceSta
             "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
             "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
             "prompts_by_set": prompts_by_set}
-
-
-def sampled_temperature(primary: float, sampled: float | None) -> float | None:
-    """eval.sampled_temperature where it asks for a second measurement: not null, not the primary temperature."""
-    return None if sampled is None or sampled == primary else sampled
-
-
-def sampled_settings(settings: SpecSettings, temperature: float | None) -> SpecSettings | None:
-    """`settings` at eval.sampled_temperature (same k, topk, top_p, drafting); None where there is no second
-    measurement (sampled_temperature). DecodingError (key sampled_temperature) where the settings cannot sample:
-    a tree of probabilistic drafts."""
-    temperature = sampled_temperature(settings.temperature, temperature)
-    if temperature is None:
-        return None
-    try:
-        return replace(settings, temperature=temperature)
-    except DecodingError as err:
-        raise DecodingError("sampled_temperature", f"at {temperature}: {err.key}: {err.reason}") from None
 
 
 def sampled_fields(temperature: float, fields: dict) -> dict:

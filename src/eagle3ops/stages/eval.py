@@ -16,18 +16,11 @@ from eagle3ops.config import Config
 from eagle3ops.data.chat import prompt_ids
 from eagle3ops.data.prompt_sets import load_sets
 from eagle3ops.decoding.engines import measure
-from eagle3ops.decoding.evaluation import (
-    acceptance_fields,
-    decode_and_compare,
-    engine_fields,
-    sampled_fields,
-    sampled_settings,
-    sampled_temperature,
-)
+from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, engine_fields, sampled_fields
 from eagle3ops.decoding.served import Served, check_agreement, check_servable, measure_on_vllm, side_by_side
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
-from eagle3ops.spec_settings import SpecSettings
+from eagle3ops.spec_settings import SpecSettings, sampled_settings, sampled_temperature
 from eagle3ops.tracking import hardware
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
