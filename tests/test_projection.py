@@ -52,7 +52,8 @@ PILOT_STAGES = {  # dvc stage -> (stage, variant, metrics)
     "train@warm_start": ("train", "warm_start", {"time/train_s": 24.0, "draft_params": 1e7, "train_tokens": 2e6,
                                                  "steps": 1000}),
     "eval@scratch": ("eval", "scratch", {"time/load_s": 4.0, "time/decode_s": 16.28, "emitted_tokens": 3000,
-                                         "verify_steps": 1000, **TARGET}),
+                                         "verify_steps": 1000, "time/decode_sampled_s": 6.24,
+                                         "sampled/verify_steps": 1500, **TARGET}),
 }
 # A run of 5,000 samples on the big box: timings only (a comparison needs no counters); no train@warm_start.
 MEASURED_STAGES = {
@@ -130,7 +131,8 @@ def test_projection_matches_hand_calculation(store: Store) -> None:
     assert projection.pilot_samples == 1000 and projection.work_ratio == 10  # 10,000 / 1,000
     big = {row.phase.name: row.estimates["big"] for row in projection.rows}
     same = {row.phase.name: row.estimates["pilot"] for row in projection.rows}
-    assert list(big) == ["load", "generate", "extract", "train@scratch", "train@warm_start", "eval@scratch"]
+    assert list(big) == ["load", "generate", "extract", "train@scratch", "train@warm_start", "eval@scratch",
+                         "eval@scratch sampled"]
     assert all(row.pilot.name == "pilot" for row in projection.rows)  # by the stages' hardware label "pilotbox"
 
     # Ideal time = demand / capacity. Pilot: 1 GPU, 100 TFLOP/s, 1 TB/s HBM, disk 1 GB/s.
@@ -172,16 +174,21 @@ def test_projection_matches_hand_calculation(store: Store) -> None:
     assert big["eval@scratch"].seconds == pytest.approx(4.07)
     assert (big["eval@scratch"].dominant, big["eval@scratch"].gpus) == ("memory", 1)
 
-    # Total on big: 2 + 8.7 + 58.625 + 75 + 60 + 4.07 = 208.395 s = 0.0578875 h; * 10 USD/h = 0.578875 USD.
-    assert projection.total_s(store.big) == pytest.approx(208.395)
-    assert projection.cost(store.big) == pytest.approx(0.578875)
+    # eval at the sampled temperature: 1500 verify steps of 4 tokens, no reference decoding: compute
+    #   2 * 1e9 * 6000 = 1.2e13 FLOP; HBM 2e9 B * 1500 = 3e12 B. Pilot: 0.12 s + 3 s = 3.12 s -> measured 6.24 s is
+    #   2x ideal. Big, one GPU: 1.2e13 / 4e14 = 0.03 s + 3e12 / 4e12 = 0.75 s; 2 * 0.78 = 1.56 s.
+    assert big["eval@scratch sampled"].seconds == pytest.approx(1.56)
+
+    # Total on big: 2 + 8.7 + 58.625 + 75 + 60 + 4.07 + 1.56 = 209.955 s = 0.05832 h; * 10 USD/h = 0.583208 USD.
+    assert projection.total_s(store.big) == pytest.approx(209.955)
+    assert projection.cost(store.big) == pytest.approx(0.5832083)
 
     # Projected onto its own profile, a phase is its measured time times the work ratio:
-    # 4 + 120 + 282 + 300 + 240 + 16.28 = 962.28 s = 0.2673 h; * 2 USD/h = 0.5346 USD.
+    # 4 + 120 + 282 + 300 + 240 + 16.28 + 6.24 = 968.52 s = 0.26903 h; * 2 USD/h = 0.538067 USD.
     assert {name: e.seconds for name, e in same.items()} == pytest.approx(
         {"load": 4.0, "generate": 120.0, "extract": 282.0, "train@scratch": 300.0, "train@warm_start": 240.0,
-         "eval@scratch": 16.28})
-    assert projection.cost(store.pilot) == pytest.approx(0.5346)
+         "eval@scratch": 16.28, "eval@scratch sampled": 6.24})
+    assert projection.cost(store.pilot) == pytest.approx(0.5380667)
     assert not projection.notes
 
 
@@ -309,8 +316,10 @@ def test_cli_prints_table_and_writes_report(store: Store, monkeypatch: pytest.Mo
     assert table_row(out, "extract") == ["extract", "all", "pilot", "28.2", "58.6", "disk", "282", "compute"]
     assert table_row(out, "train@scratch") == ["train@scratch", "1", "pilot", "30.0", "75.0", "compute", "300", "compute"]
     assert table_row(out, "eval@scratch") == ["eval@scratch", "1", "pilot", "16.3", "4.07", "HBM", "16.3", "HBM"]
-    assert table_row(out, "**total s**")[4] == "208"  # 208.395 s
-    assert table_row(out, "**cost USD**")[4:] == ["$0.579", "at $10/h", "$0.535", "at $2/h"]
+    assert table_row(out, "eval@scratch sampled") == ["eval@scratch sampled", "1", "pilot", "6.24", "1.56", "HBM",
+                                                      "6.24", "HBM"]
+    assert table_row(out, "**total s**")[4] == "210"  # 209.955 s
+    assert table_row(out, "**cost USD**")[4:] == ["$0.583", "at $10/h", "$0.538", "at $2/h"]
     assert "big (4 GPU) s" in out and "Pilot: 1,000 samples; work ratio x10" in out
     assert "Projection vs measured run hero-on-big" in out
     assert (store.root / "projection.md").read_text() == out
@@ -333,7 +342,7 @@ def test_from_overrides_the_label(store: Store) -> None:
     # measured time times the work ratio (the all-reduce part cancels like the others).
     record = fetch_pipeline(store.client(), store.pilot_id)
     projection = project(record, 10_000, [store.big], known=[], pilot=store.big, shape=read_target_shape(record, store.root))
-    assert [row.estimates["big"].seconds for row in projection.rows] == pytest.approx([4, 120, 282, 300, 240, 16.28])
+    assert [row.estimates["big"].seconds for row in projection.rows] == pytest.approx([4, 120, 282, 300, 240, 16.28, 6.24])
 
 
 def test_cli_other_errors(store: Store, capsys) -> None:

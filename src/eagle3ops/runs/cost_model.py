@@ -108,10 +108,14 @@ def _demand(record: PipelineRecord, phase: str, stage: StageRecord, shape: Targe
         steps = counter("steps") - ("first_step_s" in stage.metrics)  # the first is the fixed phase's
         return Demand(flops=6 * counter("draft_params") * counter("train_tokens") * ttt_steps,
                       layer_passes=steps * ttt_steps * TRAIN_PASSES_PER_TTT_STEP)
+    k = _param(record, stage, "eval.k")
+    if phase.endswith(" sampled"):  # eval@<drafter> at eval.sampled_temperature: speculative decoding alone
+        steps = counter("sampled/verify_steps")
+        return Demand(2 * counter("target_params") * steps * (k + 1), counter("target_bytes") * steps,
+                      layer_passes=steps * (layers + k))
     steps = counter("verify_steps")  # eval@<drafter>
     # Runs recorded before the emitted_tokens counter: tau = emitted / steps = 1 + accepted / steps.
     emitted = counter("emitted_tokens") if "emitted_tokens" in stage.metrics else steps + counter("accepted_tokens")
-    k = _param(record, stage, "eval.k")
     # the target verifies (steps) and decodes the reference (emitted); the one-layer drafter drafts k a step
     return Demand(2 * counter("target_params") * (steps * (k + 1) + emitted),
                   counter("target_bytes") * (steps + emitted), layer_passes=(steps + emitted) * layers + steps * k)
