@@ -37,10 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from eagle3ops.errors import InputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Shipped templates (`templates/<name>.jinja`) and the special tokens each writes: the tokenizer must have every
 # one as a single token, or the template belongs to another family.

@@ -8,6 +8,10 @@ Hooks capture only those layers and the final normed hidden state, instead of al
 Any Hugging Face causal LM works, and so does a multimodal wrapper around one (Kimi-K2.5 keeps a DeepSeek-V3
 text model under `language_model`): the text model is found by `text_model()`, and hidden size, depth and
 vocabulary always come from the text config, never from the wrapper's.
+
+transformers is imported by the functions that load with it, not with this module: its model and tokenizer classes
+take seconds to import, and offline training reads only the target's embedding, head and config (the simulator off,
+as the presets for real targets set it).
 """
 from __future__ import annotations
 
@@ -15,22 +19,18 @@ import json
 from contextlib import contextmanager
 from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-)
 
 from eagle3ops.config import TargetConfig
 from eagle3ops.data.chat import use_chat_template
 from eagle3ops.errors import InputError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +61,8 @@ def text_config(path: str | Path) -> dict:
 def load_tokenizer(target: TargetConfig):
     """The target's tokenizer, rendering with `target.chat_template` (null: its own template, which it must
     then have); it must have no ids beyond the target's embedding."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(check_model_dir(target.path)),
                                               trust_remote_code=target.trust_remote_code)
     use_chat_template(tokenizer, target.chat_template, str(target.path))
@@ -73,6 +75,8 @@ def load_tokenizer(target: TargetConfig):
 
 def load_text_config(target: TargetConfig) -> PretrainedConfig:
     """The language model's config (a wrapper's `text_config`), without loading any weights."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(str(check_model_dir(target.path)), trust_remote_code=target.trust_remote_code)
     return config.get_text_config()
 
@@ -81,17 +85,17 @@ def model_text_config(model: PreTrainedModel) -> PretrainedConfig:
     return model.config.get_text_config()
 
 
-# Causal LMs first; multimodal wrappers (Kimi-K2.5, Gemma 3, Llava...) load as image-text-to-text models and
-# run text-only forwards all the same.
-AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText)
-
-
 def _auto_class(config: PretrainedConfig, target: TargetConfig):
+    # Causal LMs first; multimodal wrappers (Kimi-K2.5, Gemma 3, Llava...) load as image-text-to-text models and
+    # run text-only forwards all the same.
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto_classes = (AutoModelForCausalLM, AutoModelForImageTextToText)
     remote = (getattr(config, "auto_map", None) or {}) if target.trust_remote_code else {}
-    for auto in AUTO_CLASSES:
+    for auto in auto_classes:
         if auto.__name__ in remote or type(config) in auto._model_mapping:
             return auto
-    raise TargetError(f"{target.path}: transformers has no {' or '.join(a.__name__ for a in AUTO_CLASSES)} class "
+    raise TargetError(f"{target.path}: transformers has no {' or '.join(a.__name__ for a in auto_classes)} class "
                       f"for model_type {config.model_type!r}" + ("" if target.trust_remote_code else
                       "; if the repository ships its own modeling code, set target.trust_remote_code: true"))
 
@@ -101,6 +105,8 @@ def load_target(target: TargetConfig) -> PreTrainedModel:
     target.device, or, with target.device_map, its layers spread over the GPUs (and CPU or disk) by
     from_pretrained (accelerate), within target.max_memory. Then a forward runs the layers one GPU after the
     other; inputs go to `model.device`, the embedding's, and `capture` brings what it keeps there."""
+    from transformers import AutoConfig
+
     path = str(check_model_dir(target.path))
     config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
     placement = {"device_map": target.device_map, "max_memory": target.max_memory} if target.device_map else {}

@@ -22,7 +22,6 @@ from eagle3ops.config import Config
 from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
 from eagle3ops.data.vocab import read_vocab_map
-from eagle3ops.decoding.served import WORK_DIR
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.imported import target_layout
 from eagle3ops.extraction.vllm import EngineStates, capturing_server
@@ -39,7 +38,6 @@ from eagle3ops.spec_settings import SpecSettings
 from eagle3ops.training.data import load_feature_samples
 from eagle3ops.training.init import WarmStart, load_warm_start, new_drafter
 from eagle3ops.training.online import EngineTargetStates, TargetStates, token_samples
-from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
 
 
 @dataclass
@@ -82,6 +80,8 @@ def target_states(cfg: Config, device: torch.device, samples: int, engine: ExitS
     if cfg.train.online_url is not None:
         engine_states = EngineStates(cfg.train.online_url, target_layout(cfg.target))
     else:
+        from eagle3ops.decoding.served import WORK_DIR  # it imports the serving code, and transformers' models with it
+
         WORK_DIR.mkdir(exist_ok=True)
         captured = Path(engine.enter_context(tempfile.TemporaryDirectory(prefix="captured-", dir=WORK_DIR)))
         engine_states = engine.enter_context(capturing_server(cfg.target, cfg.vllm, "train-online", captured))
@@ -103,7 +103,10 @@ def initial_drafter(cfg: Config, init: str, inputs: TrainingInputs) -> tuple[Eag
 
 def acceptance_simulator(cfg: Config, inputs: TrainingInputs) -> Callable:
     """The acceptance simulator on the first held-out prompts: it needs the whole target beside training (online,
-    the one already there, taken in turn with the thread that asks it for hidden states)."""
+    the one already there, taken in turn with the thread that asks it for hidden states). Its speculative decoding,
+    and transformers' model classes with it, is imported here: training without the simulator never needs them."""
+    from eagle3ops.training.simulation import AcceptanceSimulator, held_out_prompts
+
     simulate = cfg.train.simulate
     prompts = held_out_prompts([{k: s[k].tolist() for k in ("input_ids", "loss_mask")} for s in inputs.eval_samples],
                                simulate.prompts)
