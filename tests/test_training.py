@@ -180,3 +180,72 @@ def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterru
     run(resumed, resumed_point)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# --- the drafter training starts from: built without a wasted random initialisation ---------------------------------
+
+def new_tiny_drafter(embedding: torch.Tensor, seed: int) -> Eagle3Draft:
+    from transformers import LlamaConfig
+
+    from eagle3ops.config import DraftShapeConfig
+    from eagle3ops.training.init import new_drafter
+
+    target = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                         vocab_size=64, max_position_embeddings=128)
+    ids = torch.arange(0, 64, 4)  # a draft vocabulary of 16
+    t2d = torch.zeros(64, dtype=torch.bool).index_fill_(0, ids, True)
+    return new_drafter(target, DraftShapeConfig(), [1, 2, 3], embedding, ids - torch.arange(16), t2d, seed)
+
+
+def test_a_new_drafter_is_seeded_and_on_the_host_the_drafter_it_was_before_it_took_a_device():
+    """Scratch: the same seed gives the same weights, on the CPU those of the former construction (seed, build on the
+    host, copy the embedding in); the frozen embedding is the target's tensor itself, converted once when its dtype
+    is another."""
+    embedding = torch.randn(64, 16)
+    draft, again, other = (new_tiny_drafter(embedding, seed) for seed in (3, 3, 4))
+    torch.manual_seed(3)
+    before = Eagle3Draft(copy.deepcopy(draft.cfg))
+    before.embed_tokens.weight.data.copy_(embedding)
+    before.d2t.copy_(draft.d2t)
+    before.t2d.copy_(draft.t2d)
+    for name, tensor in before.state_dict().items():
+        assert torch.equal(draft.state_dict()[name], tensor) and torch.equal(again.state_dict()[name], tensor), name
+    assert not torch.equal(other.fc.weight, draft.fc.weight)
+    weight = draft.embed_tokens.weight
+    assert weight.data_ptr() == embedding.data_ptr() and not weight.requires_grad
+    assert [name for name, p in draft.named_parameters() if not p.requires_grad] == ["embed_tokens.weight"]
+    from_bf16 = new_tiny_drafter(embedding.bfloat16(), 3).embed_tokens.weight
+    assert from_bf16.dtype == torch.float32 and torch.equal(from_bf16, embedding.bfloat16().float())
+    with pytest.raises(InputError, match=r"the target's embedding is \(64, 8\)"):
+        new_tiny_drafter(torch.zeros(64, 8), 3)
+
+
+@pytest.mark.parametrize("layout", ["sglang", "eagle"])
+def test_a_warm_start_source_loads_as_load_any_drafter_does_without_drawing_a_random_number(layout, tmp_path):
+    """The source drafter is built on the meta device and filled from its checkpoint (ours, or the EAGLE authors'
+    in fp16): the same tensors as load_any_drafter, and the random generator untouched, re-heading included."""
+    from eagle3ops.formats.checkpoint import load_any_drafter
+    from eagle3ops.formats.specforge import WEIGHTS, read_weights, save_drafter
+    from eagle3ops.training.init import load_source_drafter, rehead
+
+    embedding = torch.randn(64, 16)
+    source = tmp_path / "source"
+    save_drafter(new_tiny_drafter(embedding, 5), source)
+    if layout == "eagle":
+        tensors = read_weights(source)
+        torch.save({name: t.half() if t.is_floating_point() else t for name, t in tensors.items()},
+                   source / "pytorch_model.bin")
+        (source / WEIGHTS).unlink()
+    state = torch.get_rng_state()
+    loaded = load_source_drafter(source, embedding)
+    ids = torch.arange(1, 64, 2)  # another draft vocabulary, of 32, sharing no token with the source's
+    t2d = torch.zeros(64, dtype=torch.bool).index_fill_(0, ids, True)
+    assert rehead(loaded, ids - torch.arange(32), t2d, torch.randn(64, 16, generator=torch.Generator())) == 32
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn: no random initialisation ran
+    reference = load_any_drafter(source, embedding)
+    for name, tensor in reference.state_dict().items():
+        if not name.startswith(("lm_head.", "d2t", "t2d")):
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.lm_head.weight.shape == (32, 16) and loaded.lm_head.weight.requires_grad
+    assert all(t.device.type == "cpu" for t in loaded.state_dict().values())
+    assert loaded.embed_tokens.weight.data_ptr() == embedding.data_ptr()

@@ -49,7 +49,7 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
                               **({"eagle3ops.online_engine": str(cfg.train.online_engine)} if online else {})})
         with tracked.phase("load"):
             loaded = load_inputs(cfg, device, engine)
-            draft, warm = initial_drafter(cfg, init, loaded)
+            draft, warm = initial_drafter(cfg, init, loaded, device)
             if warm and world.main:
                 _log_warm_start(tracked, warm)
             simulator = acceptance_simulator(cfg, loaded) if cfg.train.simulate.every and world.main else None

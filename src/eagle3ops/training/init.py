@@ -9,11 +9,17 @@
   on each of them, and fine-tuning cannot teach it tokens it has no row for.
 - `train.warm_start_optimizer: true` also continues the source's AdamW moments (when it was saved with them).
 - The source's files are digested (sha256), so the lineage says exactly which drafter was fine-tuned.
+
+No drafter is randomly initialised only to be overwritten: a loaded one is built on the meta device and given memory
+its checkpoint fills, a re-headed one gets its new head without a random one first, and a new one (scratch) is
+initialised on the device it trains on, where at a real target's size a GPU takes milliseconds and the host seconds.
+The frozen embedding is the target's tensor itself, or, in another dtype, converted once on the drafter's device.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +29,9 @@ from eagle3ops.config import DraftShapeConfig, TrainConfig
 from eagle3ops.data.shards import sha256_file
 from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.errors import InputError
-from eagle3ops.formats.checkpoint import load_any_drafter
+from eagle3ops.formats.checkpoint import detect_layout, read_drafter, vocab_map_problems
 from eagle3ops.formats.conventions import rope_settings
-from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError
+from eagle3ops.formats.specforge import TRAINING_STATE, WEIGHTS, CheckpointError, load_into, read_config
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.training.compat import CompatReport, IncompatibleDrafter, check_compat
 
@@ -59,10 +65,10 @@ def rehead(draft: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_h
     old_row[old_ids] = torch.arange(old_ids.numel())
     source = old_row[new_ids]  # [Vd'] old row per new row, -1 where the token is new
     kept = source >= 0
-    weight = target_lm_head[new_ids].to(draft.lm_head.weight.dtype).clone()  # [Vd', H]
+    weight = target_lm_head[new_ids].to(draft.lm_head.weight.dtype)  # [Vd', H] a new tensor: indexing copies
     weight[kept] = draft.lm_head.weight.detach()[source[kept]]
-    draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    draft.lm_head.weight.data.copy_(weight)
+    draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # no random init
+    draft.lm_head.weight = torch.nn.Parameter(weight)
     draft.d2t, draft.t2d = d2t.clone(), t2d.clone()
     draft.cfg.draft_vocab_size = d2t.numel()
     return int((~kept).sum())
@@ -82,7 +88,7 @@ def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch
     layers = next(f for f in report.findings if f.check == "layers")
     if layers.level != "ok":
         raise CheckpointError(f"{source}: {layers.message}")
-    draft = load_any_drafter(source, embedding)
+    draft = load_source_drafter(source, embedding)
     sha = drafter_sha256(source)
     chosen = vocab if vocab != "auto" else "remap" if report.verdict == "needs_new_head" else "keep"
     if chosen == "keep":
@@ -94,6 +100,47 @@ def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch
                          f"they cannot be continued when the drafter is re-headed (train.warm_start_vocab: {why}); "
                          f"set train.warm_start_vocab: keep to keep its head and moments")
     return WarmStart(draft, report, sha, "remap", remapped_rows=rehead(draft, *new_vocab, lm_head))
+
+
+def load_source_drafter(source: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
+    """The drafter formats.checkpoint.load_any_drafter loads from `source` (any layout, the same checks), with the
+    target's embedding [V, H], built without a random initialisation: on the meta device, then given host memory that
+    the checkpoint fills (load_into and read_drafter refuse a checkpoint that lacks any tensor but the embedding)."""
+    if detect_layout(source) == "sglang":
+        draft = _unfilled(read_config(source), embedding, source)
+        load_into(draft, source)
+        problems = vocab_map_problems(draft.d2t, draft.t2d)
+        if problems:
+            raise CheckpointError(f"{Path(source) / WEIGHTS}: inconsistent vocabulary map: {'; '.join(problems)}")
+        return draft
+    checkpoint = read_drafter(source)
+    draft = _unfilled(checkpoint.cfg, embedding, source)
+    draft.load_state_dict(checkpoint.weights, strict=False)  # read_drafter checked every name and shape
+    return draft
+
+
+def _unfilled(cfg: DraftConfig, embedding: torch.Tensor, source: str | Path) -> Eagle3Draft:
+    """A drafter of `cfg` on the target's embedding, its other tensors uninitialised host memory for a checkpoint."""
+    if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{source}: drafter expects a target embedding of {(cfg.vocab_size, cfg.hidden_size)}, "
+                              f"the target has {tuple(embedding.shape)}")
+    with torch.device("meta"):
+        draft = Eagle3Draft(cfg)
+    draft.to_empty(device="cpu")
+    use_embedding(draft, embedding)
+    return draft
+
+
+def use_embedding(draft: Eagle3Draft, embedding: torch.Tensor) -> None:
+    """The target's embedding [V, H] as the drafter's frozen one, in place of the placeholder it was built with: the
+    tensor itself where it has the drafter's dtype (frozen, it is only read), else converted into the placeholder.
+    Moved to the drafter's device first, so that a GPU converts it, not the host."""
+    weight = draft.embed_tokens.weight
+    moved = embedding.detach().to(weight.device)
+    if moved.dtype == weight.dtype:
+        draft.embed_tokens.weight = torch.nn.Parameter(moved, requires_grad=False)
+    else:  # into the placeholder: a new tensor on the host would fault its pages in, on top of the placeholder's
+        weight.data.copy_(moved)
 
 
 def _optimizer_state(source: str | Path) -> dict:
@@ -110,13 +157,13 @@ def _optimizer_state(source: str | Path) -> dict:
 
 
 def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], embedding: torch.Tensor,
-                d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> Eagle3Draft:
+                d2t: torch.Tensor, t2d: torch.Tensor, seed: int, device: torch.device | str | None = None
+                ) -> Eagle3Draft:
     """A randomly initialised drafter for a target (its HF config; a wrapper's text config is used), with the
-    target's embedding and a vocab map."""
+    target's embedding and a vocab map, built on `device` (see `build_drafter`)."""
     if t2d.numel() != embedding.shape[0]:
         raise InputError(f"the draft vocabulary map covers {t2d.numel()} target tokens but the target has "
                          f"{embedding.shape[0]}: it was built for another tokenizer; re-run prepare")
-    torch.manual_seed(seed)
     target_config = target_config.get_text_config()
     hidden = target_config.hidden_size
     cfg = DraftConfig(
@@ -135,8 +182,23 @@ def new_drafter(target_config, shape: DraftShapeConfig, aux_layers: list[int], e
         fc_norm=shape.fc_norm,
         norm_output=shape.norm_output,
     )
-    draft = Eagle3Draft(cfg)
-    draft.embed_tokens.weight.data.copy_(embedding)
+    return build_drafter(cfg, embedding, d2t, t2d, seed, device)
+
+
+def build_drafter(cfg: DraftConfig, embedding: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, seed: int,
+                  device: torch.device | str | None = None) -> Eagle3Draft:
+    """A drafter of `cfg`, its weights randomly initialised from `seed` on `device` (None: the default device, the
+    CPU unless a `torch.device` context says otherwise), holding the target's embedding and the vocab map.
+
+    The same seed gives the same weights on the same kind of device (on the CPU, those of a drafter built there before
+    this function took a device); a GPU draws other numbers than the CPU from the same seed."""
+    if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise InputError(f"the target's embedding is {tuple(embedding.shape)}; a drafter of hidden size "
+                         f"{cfg.hidden_size} over {cfg.vocab_size} tokens reads one of {(cfg.vocab_size, cfg.hidden_size)}")
+    torch.manual_seed(seed)
+    with torch.device(device) if device is not None else nullcontext():
+        draft = Eagle3Draft(cfg)
+    use_embedding(draft, embedding)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     return draft

@@ -88,12 +88,14 @@ def target_states(cfg: Config, device: torch.device, samples: int, engine: ExitS
     return EngineTargetStates(engine_states, device, samples, max_nonfinite)
 
 
-def initial_drafter(cfg: Config, init: str, inputs: TrainingInputs) -> tuple[Eagle3Draft, WarmStart | None]:
-    """scratch: a new drafter on the target's embedding (seeded); warm_start: train.warm_start, checked against
-    this target and data and re-headed or kept as train.warm_start_vocab says."""
+def initial_drafter(cfg: Config, init: str, inputs: TrainingInputs, device: torch.device | None = None
+                    ) -> tuple[Eagle3Draft, WarmStart | None]:
+    """scratch: a new drafter on the target's embedding (seeded), initialised on `device`, the one it trains on (None:
+    the host); warm_start: train.warm_start (loaded on the host), checked against this target and data and re-headed
+    or kept as train.warm_start_vocab says."""
     if init != "warm_start":
         return new_drafter(load_text_config(cfg.target), cfg.train.draft, inputs.aux_layers, inputs.embedding,
-                           inputs.d2t, inputs.t2d, cfg.seed), None
+                           inputs.d2t, inputs.t2d, cfg.seed, device), None
     warm = load_warm_start(cfg.train.warm_start, cfg.target.path, inputs.embedding, inputs.lm_head, inputs.aux_layers,
                            masked_token_counts(Path(cfg.prepare.out_dir) / "train"), (inputs.d2t, inputs.t2d),
                            cfg.train.warm_start_vocab, cfg.train.warm_start_optimizer,
