@@ -3,7 +3,9 @@
 log-normal set of lengths, as real reasoning traces vary. Each run is a new Python process, once with an empty
 compile cache (cold: every graph compiled) and once with the cache the first left (warm: a resumed stage, the next
 experiment). Two epochs: the first is the figure from process start, the second the same data with nothing left
-to compile.
+to compile. The setup before the first step is timed part by part: the interpreter, the imports, the device's start,
+the random features with the stand-ins for the target's embedding and head, and the drafter, built as the train stage
+builds a new one (training/init.py: initialised on the training device, the target's embedding moved there).
 """
 from __future__ import annotations
 
@@ -40,35 +42,48 @@ def bench_varlen(size_name: str, work_dir: Path) -> dict:
     for cache_state in ("cold", "warm"):
         out = work_dir / f"varlen-{cache_state}.json"
         out.unlink(missing_ok=True)
-        code = f"from eagle3ops.benchmark.varlen import train_from_process_start; " \
-               f"train_from_process_start({size_name!r}, {str(out)!r})"
-        started = time.perf_counter()
+        launched = time.time()
+        code = f"import time; started = time.time(); from eagle3ops.benchmark.varlen import train_from_process_start; " \
+               f"train_from_process_start({size_name!r}, {str(out)!r}, {launched!r}, started)"
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         run = json.loads(out.read_text())
-        runs.append({"compile_cache": cache_state, "process_s": round(time.perf_counter() - started, 1), **run})
+        runs.append({"compile_cache": cache_state, "process_s": round(time.time() - launched, 1), **run})
+        parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in run["setup_parts_s"].items())
         print(f"bench train-varlen ({cache_state} compile cache): epoch 1 in {run['epoch1_from_start_s']:.1f} s from "
-              f"process start, compiling {run['compile_s']:.1f} s", flush=True)
+              f"process start: setup {run['setup_s']:.1f} s ({parts}), first step {run['first_step_s']:.1f} s "
+              f"(compiling {run['compile_s']:.1f} s), the other steps of epoch 1 "
+              f"{run['epoch1_from_start_s'] - run['setup_s'] - run['first_step_s']:.1f} s", flush=True)
     lengths = varlen_lengths(SIZES[size_name]())
     return {"samples": len(lengths), "tokens": sum(lengths), "median_length": sorted(lengths)[len(lengths) // 2],
             "shortest": min(lengths), "longest": max(lengths), "runs": runs}
 
 
-def train_from_process_start(size_name: str, out: str) -> None:
+def train_from_process_start(size_name: str, out: str, launched: float | None = None,
+                             started: float | None = None) -> None:
     """In a fresh process: random features of the set's lengths (made on the device, kept on the host as the train
-    stage keeps features), then two epochs of train_drafter; writes the timings, memory and compile figures."""
+    stage keeps features), then two epochs of train_drafter; writes the timings, memory and compile figures.
+
+    `launched`: the wall clock when the parent started this process, `started`: when its code began (the interpreter
+    up). Without `launched` the process's creation time stands in, which psutil reads to the second the machine booted
+    in, not finer: up to a second early, so every figure from it up to a second long."""
     import psutil
     from torch._dynamo.utils import calculate_time_spent, counters
 
-    from eagle3ops.benchmark.training import draft_config, random_drafter
+    from eagle3ops.benchmark.timing import sync
+    from eagle3ops.benchmark.training import draft_config
     from eagle3ops.config import DrafterTrainConfig
     from eagle3ops.modeling.draft import compute_dtype
+    from eagle3ops.training.init import build_drafter
     from eagle3ops.training.loop import Hooks, Recipe, train_drafter
 
-    process_start = psutil.Process().create_time()
     imported = time.time()
+    process_start = launched if launched is not None else psutil.Process().create_time()
     size = SIZES[size_name]()
     cfg = draft_config(size.architecture, size.draft_vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.empty(1, device=device)  # the device's context
+    sync(device)
+    device_ready = time.time()
     features = compute_dtype(device)
     generator = torch.Generator(device).manual_seed(0)
     samples = [{"input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=generator, device=device).int().cpu(),
@@ -79,8 +94,16 @@ def train_from_process_start(size_name: str, out: str) -> None:
                                             dtype=features).cpu()} for n in varlen_lengths(size)]
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=generator, device=device) * 0.02
     lm_head = lm_head.to(features)  # as the train stage passes the target's head
+    # The target's embedding, on the host in the target's dtype as the train stage reads it, and a draft vocabulary.
+    embedding = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator, device=device) * 0.02).to(features)
+    embedding = embedding.cpu()
+    vocab = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[: cfg.draft_vocab_size].sort()
+    d2t = vocab.values - torch.arange(cfg.draft_vocab_size)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, vocab.values, True)
+    sync(device)
     made_features = time.time()
-    draft = random_drafter(cfg, seed=0)
+    draft = build_drafter(cfg, embedding, d2t, t2d, seed=0, device=device)
+    sync(device)
     optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
                                optimizer="adamw", log_every=1, checkpoint_every=0)
     stamps: list[tuple[float, int]] = []  # (wall clock, epoch) at the end of each step: logging reads the loss back
@@ -88,16 +111,18 @@ def train_from_process_start(size_name: str, out: str) -> None:
                   desc="bench train-varlen")
     ready = time.time()
     result, _ = train_drafter(Recipe(draft, samples, [], lm_head, optim, 0, device), hooks)
+    setup_parts = {**({"interpreter": started - process_start, "imports": imported - started} if started is not None
+                      else {"interpreter and imports": imported - process_start}),
+                   "device start": device_ready - imported, "random features": made_features - device_ready,
+                   "drafter": ready - made_features}
     ends = [stamp for stamp, epoch in stamps if epoch == 0]
     epoch1_steps = len(ends)
     tokens = sum(len(s["input_ids"]) for s in samples)
     result_row = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "packed_length": optim.packed_length, "steps_per_epoch": epoch1_steps,
-        "setup_s": round(ready - process_start, 1),  # interpreter, imports, the random features, the drafter
-        "setup_parts_s": {"interpreter and imports": round(imported - process_start, 1),
-                          "random features": round(made_features - imported, 1),
-                          "drafter": round(ready - made_features, 1)},
+        "setup_s": round(ready - process_start, 1),  # the parts below
+        "setup_parts_s": {name: round(seconds, 2) for name, seconds in setup_parts.items()},
         "epoch1_from_start_s": round(ends[-1] - process_start, 1),
         "epoch1_tokens_per_s_from_start": tokens / (ends[-1] - process_start),
         "first_step_s": round(stamps[0][0] - ready, 1),
