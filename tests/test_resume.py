@@ -309,7 +309,18 @@ def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_ta
     assert final.returncode == 0, err
     assert int(re.search(r"train@scratch: resuming at step (\d+)", printed).group(1)) >= kill_points[-1]
 
-    checkpoint = "models/drafters/scratch/model.safetensors"
-    assert (resumed / checkpoint).read_bytes() == (reference / checkpoint).read_bytes()
-    assert (resumed / "plots" / "train-scratch.csv").read_text() == (reference / "plots" / "train-scratch.csv").read_text()
+    # every file of the stage's outputs byte for byte (weights, config, training_state.pt: DVC hashes them, and a
+    # changed one would make eval and export stale), and its metrics but the timings
+    drafter = Path("models/drafters/scratch")
+    written = sorted(path.relative_to(reference) for path in (reference / drafter).rglob("*") if path.is_file())
+    assert {drafter / "model.safetensors", drafter / "config.json", drafter / "training_state.pt"} <= set(written)
+    assert sorted(path.relative_to(resumed) for path in (resumed / drafter).rglob("*") if path.is_file()) == written
+    for path in [*written, Path("plots/train-scratch.csv")]:
+        assert (resumed / path).read_bytes() == (reference / path).read_bytes(), path
+
+    def results(root: Path) -> dict:
+        metrics = json.loads((root / "metrics" / "train-scratch.json").read_text())
+        return {key: value for key, value in metrics.items() if key not in ("time", "tokens_per_s", "steps_per_s",
+                                                                            "first_step_s", "simulator_s")}
+    assert results(resumed) == results(reference)  # padding_share too: the whole run's, not the last process's
     assert not list(resumed.glob(".eagle3ops/resume/train@scratch-*"))  # cleared once the checkpoint is written

@@ -1,6 +1,7 @@
 """The training loop's parts: packing samples into rows, assembling them, the float32 master weights, and the
 variants of training (optimizer, TTT positions, EAGLE-3.1) resuming exactly."""
 import copy
+import io
 
 import pytest
 import torch
@@ -136,6 +137,13 @@ def test_a_run_reports_the_padded_share_of_its_rows():
     assert 0 < result.first_step_s < result.wall_s  # the first step alone, part of the loop's time
 
 
+def saved_bytes(state) -> bytes:
+    """What torch.save writes for a TrainState, as the train stage saves resume points and training_state.pt."""
+    buffer = io.BytesIO()
+    torch.save(state.to_dict(), buffer)
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize("variant", [{"optimizer": "muon"}, {"optimizer": "muon", "muon_lr": 0.05},
                                      {"ttt_positions": "raised"}, {"eagle31": True}, {"loss": "lk_alpha"},
                                      {"loss": "lk_lambda", "lk_kl_decay": 1.0}],
@@ -169,17 +177,20 @@ def test_each_training_variant_learns_and_resumes_to_the_weights_of_an_uninterru
         return train_drafter(Recipe(draft, samples, samples[:4], head, optim, 0, torch.device("cpu")), hooks, state)
 
     whole = drafter()
-    result = run(whole)[0]
+    result, whole_state = run(whole)
     assert result.steps >= 6 and result.final["eval/loss"] < result.history[0]["train/loss"]
     assert all(0 < row["train/alpha_2"] < 1 for row in result.history) and 0 < result.final["eval/alpha_2"] < 1
     saved = []
-    run(drafter(), hooks=Hooks(checkpoint=lambda state: saved.append(copy.deepcopy(state.to_dict()))))  # as saved
-    resumed_point = TrainState.from_dict(saved[1])
+    run(drafter(), hooks=Hooks(checkpoint=lambda state: saved.append(saved_bytes(state))))  # as the stage saves it
+    resumed_point = TrainState.from_dict(torch.load(io.BytesIO(saved[1]), weights_only=True))
     assert set(resumed_point.optimizer) == ({"adamw", "muon"} if "optimizer" in variant else {"adamw"})
     resumed = drafter()
-    run(resumed, resumed_point)
+    resumed_result, resumed_state = run(resumed, resumed_point)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+    # the state saved beside the drafter, byte for byte (DVC hashes training_state.pt), and the whole run's padding
+    assert saved_bytes(resumed_state) == saved_bytes(whole_state)
+    assert resumed_result.padding_share == result.padding_share
 
 
 # --- the drafter training starts from: built without a wasted random initialisation ---------------------------------

@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -80,19 +81,34 @@ class TrainState:
     """Where a run is: what a resume point holds (saved as a dict of tensors and plain values, loaded with
     weights_only), and, without the weights, what is saved beside a trained drafter."""
     step: int
-    tokens: int
+    tokens: int  # the samples' tokens trained on so far
     optimizer: dict  # by name (training/optimizers.py)
     scheduler: dict
     torch_rng: torch.Tensor
     history: list[dict[str, float]] = field(default_factory=list)  # the logged rows, for plots/train-<init>.csv
     model: dict[str, torch.Tensor] | None = None  # the drafter's weights; None beside a saved drafter
+    row_tokens: int = 0  # the packed rows' tokens so far, padding included
 
     def to_dict(self) -> dict:
-        return {item.name: getattr(self, item.name) for item in fields(self) if getattr(self, item.name) is not None}
+        """The state as saved, its strings interned: pickle writes a string once per object, so a state loaded from a
+        resume point (new string objects) would otherwise save to other bytes than the uninterrupted run's (the
+        literals of the code, one object each), and DVC would see a changed training_state.pt."""
+        return _interned({item.name: getattr(self, item.name) for item in fields(self)
+                          if getattr(self, item.name) is not None})
 
     @classmethod
     def from_dict(cls, saved: dict) -> TrainState:
         return cls(**{item.name: saved[item.name] for item in fields(cls) if item.name in saved})
+
+
+def _interned(value):
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, dict):
+        return type(value)((_interned(key), _interned(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_interned(item) for item in value)
+    return value
 
 
 @dataclass
@@ -104,7 +120,7 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_at: tuple[int, int] = (0, 0)  # (step, tokens) this process started from
     probe_s: float = 0.0
-    padding_share: float = 0.0  # of the packed rows' tokens this process trained on: their padded tails
+    padding_share: float = 0.0  # of the packed rows' tokens the run trained on: their padded tails
     first_step_s: float = 0.0  # this process's first step, compilation included: a fixed cost, whatever the data
 
     @property
@@ -146,22 +162,24 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
     optimizers = Optimizers(list(zip(weights.names, weights.masters)), optim, total_steps, fused=device.type == "cuda")
     if recipe.warm_moments is not None and state is None:
         optimizers.continue_moments(recipe.warm_moments)
-    step, tokens, history = 0, 0, []
+    step, tokens, history, row_tokens = 0, 0, [], 0
     if state is not None:
         optimizers.load_state_dict(state.optimizer, state.scheduler)
         torch.set_rng_state(state.torch_rng)
-        step, tokens, history = state.step, state.tokens, state.history
+        step, tokens, history, row_tokens = state.step, state.tokens, state.history, state.row_tokens
+    # a resume point saved before row_tokens was kept: the padding of this process's rows alone
+    padded_from = tokens if state is not None and not state.row_tokens else 0
 
     def now(with_weights: bool) -> TrainState:
         return TrainState(step, tokens, *optimizers.state_dict(), torch.get_rng_state(), history,
-                          weights.state_dict() if with_weights else None)
+                          weights.state_dict() if with_weights else None, row_tokens)
 
     if world.size == 1:
         objective, normaliser = functools.partial(_batch_loss, draft), None
     else:
         objective, normaliser = distributed.wrap(_TTTObjective(draft), device), distributed.global_normaliser(world)
         distributed.broadcast_from_main(weights.masters)  # DDP broadcasts the drafter's weights, not the masters
-    start, resumed_at, probe_s, row_tokens, first_step_s = time.perf_counter(), (step, tokens), 0.0, 0, 0.0
+    start, resumed_at, probe_s, first_step_s = time.perf_counter(), (step, tokens), 0.0, 0.0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
     depth = assembly_depth(device, remote_states=getattr(recipe.hidden_states, "remote", False))
     remaining = remaining_batches(batches, step, total_steps)
@@ -208,7 +226,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         hooks.log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
     weights.restore()
-    padding = 1 - (tokens - resumed_at[1]) / row_tokens if row_tokens else 0.0
+    padding = 1 - (tokens - padded_from) / row_tokens if row_tokens else 0.0
     return (TrainResult(step, tokens, wall, final, history, resumed_at, probe_s, padding, first_step_s),
             now(with_weights=False))
 
