@@ -521,6 +521,31 @@ def test_the_compiled_step_and_loss_give_the_eager_loss_and_gradients_and_compil
     assert counters["stats"]["unique_graphs"] - graphs_before == 3
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on a CPU needs a C compiler")
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["lk_alpha", "lk_lambda"])
+def test_the_compiled_lk_losses_give_the_eager_values_and_gradients(kind):
+    """The step loss as the training loop compiles it on a GPU (here the CPU backend), for each LK loss: the same
+    summed loss, acceptance and gradient as eager (the KL's is checked with the drafter above)."""
+    import functools
+
+    from eagle3ops.modeling.draft import step_loss
+
+    logits, _, target, mass, top, counted = _step_inputs(4)
+    logits = logits.float().detach().requires_grad_()
+    loss = functools.partial(step_loss, kind=kind, kl_scale=0.9, kl_decay=2.0)
+    results = []
+    for fn in (loss, torch.compile(loss, dynamic=False)):
+        summed, correct, alpha = fn(logits, target.float(), mass.float(), top, counted)
+        results.append((summed, correct, alpha, torch.autograd.grad(summed, logits)[0]))
+    (summed, correct, alpha, grad), (fused_summed, fused_correct, fused_alpha, fused_grad) = results
+    torch.testing.assert_close(fused_summed, summed)
+    torch.testing.assert_close(fused_alpha, alpha)
+    assert int(fused_correct) == int(correct)
+    torch.testing.assert_close(fused_grad, grad)
+
+
 def test_a_drafter_compiled_for_training_decodes_eager_at_any_shape():
     """The training loop's acceptance probe decodes with the drafter it trains: serving shapes (prompt lengths,
     tree widths) change call to call and must not compile a graph each, whatever its forward was compiled for."""
