@@ -10,7 +10,9 @@ The schema only: each stage reads the config as its dvc.yaml entry lets it (trac
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagle3ops.errors import InputError
@@ -65,15 +67,64 @@ class Section:
 
 
 def _inside_project(value: str) -> bool:
-    """Stages replace whole output directories: never outside the project."""
-    path = Path(value)
-    return bool(path.parts) and not path.is_absolute() and ".." not in path.parts
+    """Stages replace whole output directories: never outside the project, nor the project itself (`.`, `data/..`
+    normalised), and never through a '..', wherever it leads."""
+    normal = os.path.normpath(value) if value else ""
+    return normal not in ("", ".") and not os.path.isabs(normal) and ".." not in Path(value).parts
 
 
 def _outputs_inside_project(section: Section, *names: str) -> Iterator[tuple[str, str]]:
     for name in names:
         if not _inside_project(getattr(section, name)):
             yield name, f"{getattr(section, name)!r} must be a path inside the project (relative, without '..')"
+
+
+def _absolute(value: str) -> str:
+    """`value` absolute and normalised, relative paths taken from the project root (where every stage runs, as
+    DVC does): paths compared this way cannot pass a check through '..', `.` or a trailing '/'."""
+    return os.path.abspath(value)
+
+
+def _same_path(a: str, b: str) -> bool:
+    return _absolute(a) == _absolute(b)
+
+
+def _below(path: str, directory: str) -> bool:
+    """`path` lies inside `directory`, both normalised: data/zoo/bench/../../outside/x.jsonl is not in
+    data/zoo/bench."""
+    inner, outer = _absolute(path), _absolute(directory)
+    return inner != outer and os.path.commonpath([inner, outer]) == outer
+
+
+def _at_least(section: Section, least: float, *names: str, null: str = "") -> Iterator[tuple[str, str]]:
+    """Each named value at least `least`; a null one is skipped (`null` says what null means, for the message)."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and not value >= least:  # NaN included
+            yield name, f"must be at least {least}{f' (or null: {null})' if null else ''}, got {value}"
+
+
+def _above_zero(section: Section, *names: str, null: str = "") -> Iterator[tuple[str, str]]:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and not value > 0:
+            yield name, f"must be above 0{f' (or null: {null})' if null else ''}, got {value}"
+
+
+def _in_range(section: Section, name: str, interval: str) -> Iterator[tuple[str, str]]:
+    """The value within `interval`, written as the message shows it: '[0, 1]', '[0, 1)' or '(0, 1]'."""
+    value = getattr(section, name)
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value >= low if interval[0] == "[" else value > low
+    below = value <= high if interval[-1] == "]" else value < high
+    if not (above and below):
+        yield name, f"must be in {interval}, got {value}"
+
+
+def _grad_clip(section: Section) -> Iterator[tuple[str, str]]:
+    if not section.grad_clip > 0:
+        yield "grad_clip", (f"must be above 0, got {section.grad_clip}: the gradients are scaled to at most this "
+                            f"norm, so nothing would train (a large value, e.g. 1.0e9, turns clipping off)")
 
 
 @dataclass
@@ -88,6 +139,11 @@ class TinyLlamaConfig(Section):
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
 
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _at_least(self, 1, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                             "num_key_value_heads", "intermediate_size", "max_position_embeddings")
+        yield from _above_zero(self, "rope_theta")
+
 
 @dataclass
 class LMTrainConfig(Section):
@@ -98,6 +154,13 @@ class LMTrainConfig(Section):
     warmup_ratio: float = 0.05
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _at_least(self, 1, "steps", "batch_size")
+        yield from _above_zero(self, "lr")
+        yield from _in_range(self, "warmup_ratio", "[0, 1]")
+        yield from _at_least(self, 0, "weight_decay")
+        yield from _grad_clip(self)
 
 
 @dataclass
@@ -113,6 +176,11 @@ class DraftShapeConfig(Section):
     # EAGLE-3.1 (modeling/draft.py): an RMSNorm per target layer before fc, and the post-norm state carried
     fc_norm: bool = False
     norm_output: bool = False
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        yield from _at_least(self, 1, "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                             "max_position_embeddings", "head_dim", null="the target's")
+        yield from _above_zero(self, "rope_theta", null="the target's")
 
 
 @dataclass
@@ -149,12 +217,21 @@ class DrafterTrainConfig(Section):
     def check(self) -> Iterator[tuple[str, str]]:
         if len(self.betas) != 2:
             yield "betas", "needs two values"
-        if self.batch_size < 1 or self.epochs < 1:
-            yield "batch_size", "batch_size and epochs must be positive"
-        if self.packed_length < 2:
-            yield "packed_length", "must be at least 2"
-        if self.ttt_steps < 1:
-            yield "ttt_steps", "must be at least 1"
+        elif not all(0.0 <= beta < 1.0 for beta in self.betas):
+            yield "betas", f"each must be in [0, 1) (AdamW's moment decays), got {self.betas}"
+        yield from _at_least(self, 1, "epochs", "batch_size")
+        yield from _at_least(self, 1, "max_steps", null="no limit")
+        yield from _at_least(self, 2, "packed_length")
+        yield from _above_zero(self, "lr")
+        yield from _above_zero(self, "muon_lr", null="lr")
+        yield from _at_least(self, 0, "weight_decay")
+        yield from _in_range(self, "warmup_ratio", "[0, 1]")
+        yield from _grad_clip(self)
+        yield from _at_least(self, 1, "log_every", "ttt_steps")
+        yield from _at_least(self, 0, "checkpoint_every")
+        if not 0.0 < self.loss_decay <= 1.0:
+            yield "loss_decay", (f"must be in (0, 1], got {self.loss_decay}: TTT step k's loss is weighted "
+                                 f"loss_decay**k (to train the first step alone, set ttt_steps: 1)")
         if self.muon_lr is not None and self.optimizer != Optimizer.muon:
             yield "muon_lr", f"sets Muon's learning rate, but the optimizer is {self.optimizer}"
         if not 0.0 <= self.lk_kl_scale <= 1.0:
@@ -188,6 +265,12 @@ class ZooConfig(Section):
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from _outputs_inside_project(self, "dir", "data_dir")
+        yield from _at_least(self, 1, "tokenizer_vocab_size", "pretrain_conversations", "conversations",
+                             "eval_prompts_per_family", "draft_vocab_size", "drafter_conversations")
+        yield from _at_least(self, 8, "max_len")
+        if self.draft_vocab_size > self.tokenizer_vocab_size:
+            yield "draft_vocab_size", (f"{self.draft_vocab_size} exceeds zoo.tokenizer_vocab_size "
+                                       f"({self.tokenizer_vocab_size}): a draft vocabulary is a subset of the target's")
 
 
 @dataclass
@@ -218,6 +301,12 @@ class TargetConfig(Section):
     def check(self) -> Iterator[tuple[str, str]]:
         if self.aux_layers is not None and len(self.aux_layers) != 3:
             yield "aux_layers", f"EAGLE-3 fuses exactly three layers, got {self.aux_layers}"
+        elif self.aux_layers is not None and min(self.aux_layers) < 0:
+            yield "aux_layers", f"hidden-state indices are at least 0 (0 = the embeddings), got {self.aux_layers}"
+        template = self.chat_template
+        if template is not None and (template.endswith(".jinja") or "/" in template) and not _inside_project(template):
+            yield "chat_template", (f"{template!r}: a template file must be a path inside the project (relative, "
+                                    f"without '..'), the only kind data/chat.py reads")
         placement = self.device_map
         if placement is not None and not (placement in DEVICE_MAPS or (isinstance(placement, dict) and placement)):
             yield "device_map", f"{placement!r} is not one of {DEVICE_MAPS}, a {{module name: device}} mapping or null"
@@ -233,12 +322,9 @@ class DataConfig(Section):
     draft_vocab_size: int = 256  # 32000 for real targets
 
     def check(self) -> Iterator[tuple[str, str]]:
-        if not 0.0 <= self.eval_fraction < 1.0:
-            yield "eval_fraction", "must be in [0, 1)"
-        if self.max_len < 8:
-            yield "max_len", "must be at least 8"
-        if self.draft_vocab_size < 1:
-            yield "draft_vocab_size", "must be positive"
+        yield from _in_range(self, "eval_fraction", "[0, 1)")
+        yield from _at_least(self, 8, "max_len")
+        yield from _at_least(self, 1, "draft_vocab_size")
 
 
 @dataclass
@@ -257,8 +343,9 @@ class OpenAIEndpointConfig(Section):
             yield "base_url", f"{self.base_url!r} is not an http(s) URL"
         if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
             yield "api_key_env", "must be the name of an environment variable (e.g. OPENAI_API_KEY), never the key itself"
-        if self.concurrency < 1 or self.max_retries < 0 or self.timeout_s <= 0:
-            yield "concurrency", "concurrency must be at least 1, max_retries at least 0, timeout_s positive"
+        yield from _at_least(self, 1, "concurrency")
+        yield from _at_least(self, 0, "max_retries")
+        yield from _above_zero(self, "timeout_s")
 
 
 @dataclass
@@ -280,6 +367,8 @@ class GenerateConfig(Section):
         yield from _outputs_inside_project(self, "out")
         if self.max_conversations is not None and self.max_conversations < 1:
             yield "max_conversations", f"must be null or at least 1, got {self.max_conversations}"
+        yield from _at_least(self, 1, "batch_size", "chunk_size", "max_new_tokens")
+        yield from _at_least(self, 0, "temperature")
 
 
 @dataclass
@@ -309,6 +398,11 @@ class ExtractConfig(Section):
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from _outputs_inside_project(self, "out_dir")
+        yield from _at_least(self, 1, "batch_size")
+        if self.samples_per_shard < 1:
+            yield "samples_per_shard", (f"must be at least 1, got {self.samples_per_shard}: a shard is the unit the "
+                                        f"stage writes and resumes from (about 1-4 GB a shard at scale)")
+        yield from _in_range(self, "max_nonfinite_fraction", "[0, 1]")
 
 
 @dataclass
@@ -352,8 +446,7 @@ class TrainConfig(DrafterTrainConfig):
     def check(self) -> Iterator[tuple[str, str]]:
         yield from super().check()
         yield from _outputs_inside_project(self, "out_dir")
-        if not 0.0 <= self.warm_start_min_coverage <= 1.0:
-            yield "warm_start_min_coverage", "must be in [0, 1]"
+        yield from _in_range(self, "warm_start_min_coverage", "[0, 1]")
         if self.online_url is not None:
             if self.online_engine != OnlineEngine.vllm or self.hidden_states != HiddenStates.online:
                 yield "online_url", "is read only with hidden_states online and online_engine vllm"
@@ -416,6 +509,7 @@ class EvalConfig(Section):
             yield err.key, err.reason
         if self.batch_size < 1:
             yield "batch_size", "must be at least 1"
+        yield from _at_least(self, 1, "max_new_tokens")
         if self.sampled_temperature is not None and self.sampled_temperature <= 0:
             yield "sampled_temperature", "must be above 0 (null = no second measurement; eval.temperature is the first)"
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
@@ -435,7 +529,7 @@ class EvalConfig(Section):
             if not prompt_set.name or prompt_set.name in seen:
                 yield f"sets[{i}].name", f"{prompt_set.name!r}: every set needs a name of its own"
             seen.add(prompt_set.name)
-            if Path(self.sets_dir) not in Path(prompt_set.path).parents:  # DVC tracks the directory, not the files
+            if not _below(prompt_set.path, self.sets_dir):  # DVC tracks the directory, not the files
                 yield f"sets[{i}].path", (f"{prompt_set.path!r} is not inside eval.sets_dir ({self.sets_dir!r}), the "
                                           f"directory dvc.yaml tracks for the eval stage")
             if prompt_set.format is not None and prompt_set.format not in list(PromptSetFormat):
@@ -469,7 +563,7 @@ class ExportConfig(Section):
 
     def check(self) -> Iterator[tuple[str, str]]:
         yield from _outputs_inside_project(self, "out_dir", "guide")
-        if Path(self.out_dir) in Path(self.guide).parents:
+        if _below(self.guide, self.out_dir):
             yield "guide", f"{self.guide!r} is inside export.out_dir ({self.out_dir!r}): DVC tracks each as an output"
         if not self.formats or len(set(self.formats)) != len(self.formats):
             yield "formats", f"{[str(f) for f in self.formats]} must be distinct formats, at least one"
@@ -542,14 +636,24 @@ class Config(Section):
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
     def check(self) -> Iterator[tuple[str, str]]:
+        if not 0 <= self.seed < 2**32:
+            yield "seed", (f"must be in [0, 2**32), got {self.seed}: the vLLM servers the stages start seed numpy "
+                           f"with it, which takes only those")
+        yield from _at_least(self, 1, "threads", null="torch's default")
         online = self.train.hidden_states == HiddenStates.online
         wiring = ([], self.prepare.out_dir) if online else (["offline"], self.extract.out_dir)
-        if (list(self.pipeline.extract), self.pipeline.hidden_states_dep) != wiring:
+        extract_agrees = list(self.pipeline.extract) == wiring[0]
+        dep_agrees = _same_path(self.pipeline.hidden_states_dep, wiring[1])
+        if extract_agrees and not dep_agrees:  # the one key that is wrong, named
+            yield "pipeline.hidden_states_dep", (f"{self.pipeline.hidden_states_dep!r} is not "
+                                                 f"{'prepare' if online else 'extract'}.out_dir ({wiring[1]!r}), "
+                                                 f"where train reads its hidden states from")
+        elif not (extract_agrees and dep_agrees):
             yield "pipeline", (f"train.hidden_states is {self.train.hidden_states}: set pipeline.extract to "
                                f"{wiring[0]} and pipeline.hidden_states_dep to {wiring[1]!r} (dvc.yaml then "
                                + ("runs no extract stage and has train depend on the prepared data and the target)"
                                   if online else "runs the extract stage and has train depend on its output)"))
-        if self.extract.backend == ExtractBackend("import") and Path(self.extract.import_dir) == Path(self.prepare.out_dir):
+        if self.extract.backend == ExtractBackend("import") and _same_path(self.extract.import_dir, self.prepare.out_dir):
             yield "extract.import_dir", (f"still names the prepared data ({self.prepare.out_dir}); with backend import "
                                          f"point it at the serving engine's output")
 
@@ -562,6 +666,29 @@ def _checks(section: Section, prefix: str) -> Iterator[tuple[str, str]]:
             yield from _checks(value, f"{prefix}{item.name}.")
     for name, reason in section.check():
         yield f"{prefix}{name}", reason
+
+
+def _element_key(section: type, tree: Any, key: str | None, prefix: str = "") -> str | None:
+    """The full dotted key (eval.sets[1].limit) of a bad field `key` inside an element of a list of sections, which
+    OmegaConf names by the field alone; None where no such element has it wrong."""
+    if not isinstance(tree, DictConfig):
+        return None
+    hints = typing.get_type_hints(section)
+    for item in dataclasses.fields(section):
+        hint, value = hints[item.name], tree.get(item.name)
+        args = typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            found = _element_key(hint, value, key, f"{prefix}{item.name}.")
+            if found:
+                return found
+        elif typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]) and isinstance(value, ListConfig):
+            for i, element in enumerate(value):
+                try:
+                    OmegaConf.merge(OmegaConf.structured(args[0]), element)
+                except OmegaConfBaseException as err:
+                    if getattr(err, "full_key", None) == key:
+                        return f"{prefix}{item.name}[{i}].{key}"
+    return None
 
 
 def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
@@ -586,6 +713,10 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
+        try:  # inside a list of sections OmegaConf names the field alone: the element's full key instead
+            key = _element_key(Config, OmegaConf.merge(loaded, OmegaConf.from_dotlist(overrides or [])), key) or key
+        except OmegaConfBaseException:
+            pass
         message = err.msg if hasattr(err, "msg") else str(err)
         raise ConfigError(f"{path}: {'key ' + repr(key) + ': ' if key else ''}{message.splitlines()[0]}") from None
     for key, reason in _checks(cfg, ""):
