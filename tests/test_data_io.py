@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from eagle3ops.data.conversations import DatasetError, content_id, load_conversations
-from eagle3ops.data.prepare import in_eval_split, read_tokenized, split, tokenize_dataset, write_tokenized
+from eagle3ops.data.prepare import (
+    DROPPED_IDS_LISTED,
+    TokenizeStats,
+    in_eval_split,
+    read_tokenized,
+    split,
+    tokenize_dataset,
+    write_tokenized,
+)
 from eagle3ops.data.shards import MANIFEST, ShardWriter, iter_samples, read_manifest
 from eagle3ops.errors import InputError
 
@@ -252,6 +260,44 @@ def test_tokenize_dataset_counts_truncation_and_drops(tiny_tokenizer):
     # The short sample's loss tokens: "Hello." and <|im_end|>.
     masked = [i for i, m in zip(samples[0]["input_ids"], samples[0]["loss_mask"]) if m]
     assert tiny_tokenizer.decode(masked) == "Hello.<|im_end|>"
+
+
+def test_the_metrics_name_the_dropped_samples_up_to_a_cap():
+    few = TokenizeStats(conversations=10, dropped_no_assistant=2, dropped_ids=["a", "b"])
+    assert few.metrics()["dropped_ids"] == ["a", "b"] and few.metrics()["dropped_no_assistant"] == 2
+    assert few.dropped_line("metrics/prepare.json") == ("2 of 10 conversations dropped, no assistant token within "
+                                                        "data.max_len: a, b (all in metrics/prepare.json, dropped_ids)")
+    ids = [f"c{i}" for i in range(DROPPED_IDS_LISTED + 5)]
+    many = TokenizeStats(conversations=2000, dropped_no_assistant=len(ids), dropped_ids=ids)
+    assert many.metrics()["dropped_ids"] == ids[:DROPPED_IDS_LISTED] and many.metrics()["dropped_no_assistant"] == 1005
+    assert many.dropped_line("m.json") == (f"1005 of 2000 conversations dropped, no assistant token within data.max_len: "
+                                           f"c0, c1, c2, c3, c4, ... (the first {DROPPED_IDS_LISTED} in m.json, dropped_ids)")
+    assert TokenizeStats(conversations=3).dropped_line("m.json") is None
+
+
+def test_the_prepare_stage_names_what_it_dropped(tmp_path, monkeypatch, capsys, tiny_target_dir):
+    """A conversation whose only assistant turn lies past data.max_len: counted, printed with its id, and its id in
+    the stage's metrics file."""
+    from eagle3ops.cli import main
+    from helpers import isolate
+
+    isolate(monkeypatch, tmp_path)
+    long_prompt = "The fox jumps over the lazy dog. " * 20
+    records = [openai(f"c{i}", ("user", f"Hi {i}"), ("assistant", f"Hello {i}.")) for i in range(6)]
+    records += [openai(f"long{i}", ("user", long_prompt), ("assistant", "Ok.")) for i in range(2)]
+    (tmp_path / "data" / "generated").mkdir(parents=True)
+    write_lines(tmp_path / "data" / "generated" / "conversations.jsonl", records)
+    target = {"path": str(tiny_target_dir), "lineage_dep": str(tiny_target_dir / "config.json")}
+    (tmp_path / "params.yaml").write_text(json.dumps({"target": target,
+                                                      "data": {"max_len": 40, "draft_vocab_size": 32},
+                                                      "mlflow": {"system_metrics": False}}))
+    assert main(["prepare"]) == 0
+    metrics_file = Path("metrics/prepare.json")
+    assert ("prepare: 2 of 8 conversations dropped, no assistant token within data.max_len: long0, long1 "
+            f"(all in {metrics_file}, dropped_ids)\n") in capsys.readouterr().out
+    metrics = json.loads((tmp_path / metrics_file).read_text())
+    assert metrics["dropped_ids"] == ["long0", "long1"] and metrics["dropped_no_assistant"] == 2
+    assert metrics["kept"] == 6
 
 
 def test_tokenize_dataset_all_dropped(tiny_tokenizer):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from eagle3ops.data.shards import ShardWriter, iter_samples
 from eagle3ops.data.vocab import count_masked_tokens
 
 SPLITS = ("train", "eval")  # the prepared splits, each a directory under prepare.out_dir; extract keeps them apart
+DROPPED_IDS_LISTED = 1000  # the dropped samples' ids the metrics file names (all of them up to this many)
 
 
 @dataclass
@@ -25,6 +26,22 @@ class TokenizeStats:
     tokens: int = 0
     loss_tokens: int = 0
     dropped_ids: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict:
+        """The counts, and the ids of the conversations dropped for want of an assistant token (the first
+        DROPPED_IDS_LISTED of them; `dropped_no_assistant` counts them all): a list, which DVC's metrics tables
+        and MLflow's metrics leave out, kept in the stage's metrics file for whoever asks which ones."""
+        counts = {k: v for k, v in asdict(self).items() if k != "dropped_ids"}
+        return {**counts, "dropped_ids": self.dropped_ids[:DROPPED_IDS_LISTED]}
+
+    def dropped_line(self, metrics_file: str | Path, shown: int = 5) -> str | None:
+        """One line naming what was dropped, the first `shown` ids and where the rest are; None where nothing was."""
+        if not self.dropped_ids:
+            return None
+        ids = ", ".join(self.dropped_ids[:shown]) + (", ..." if len(self.dropped_ids) > shown else "")
+        listed = "all" if len(self.dropped_ids) <= DROPPED_IDS_LISTED else f"the first {DROPPED_IDS_LISTED}"
+        return (f"{len(self.dropped_ids)} of {self.conversations} conversations dropped, no assistant token within "
+                f"data.max_len: {ids} ({listed} in {metrics_file}, dropped_ids)")
 
 
 def tokenize_dataset(tokenizer, conversations: list[dict], max_len: int, source: str) -> tuple[list[dict], TokenizeStats]:

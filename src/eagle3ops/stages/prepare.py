@@ -1,6 +1,4 @@
 """Stage `prepare`: chat template -> token ids + assistant loss mask, train/eval split, draft vocabulary."""
-from dataclasses import asdict
-
 from eagle3ops.config import Config
 from eagle3ops.data.conversations import load_conversations
 from eagle3ops.data.prepare import split, tokenize_dataset, write_tokenized
@@ -8,7 +6,7 @@ from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, coverage,
 from eagle3ops.fs import atomic_dir
 from eagle3ops.modeling.target import load_tokenizer
 from eagle3ops.tracking.identity import identity_params
-from eagle3ops.tracking.metrics import record
+from eagle3ops.tracking.metrics import METRICS_DIR, destination, record
 from eagle3ops.tracking.run import stage_run
 
 
@@ -26,6 +24,7 @@ def run(cfg: Config) -> None:
             write_tokenized(train, out / "train", {"split": "train", "source": source})
             write_tokenized(held_out, out / "eval", {"split": "eval", "source": source})
             write_vocab_map(out, d2t, t2d)
-        summary = {k: v for k, v in asdict(stats).items() if k != "dropped_ids"}
-        record(tracked, "prepare", {**summary, "train_samples": len(train), "eval_samples": len(held_out),
+        record(tracked, "prepare", {**stats.metrics(), "train_samples": len(train), "eval_samples": len(held_out),
                                     "draft_vocab_coverage": round(coverage(counts, t2d), 4)})
+        if (dropped := stats.dropped_line(destination(tracked, METRICS_DIR / "prepare.json"))) is not None:
+            print(f"prepare: {dropped}", flush=True)
