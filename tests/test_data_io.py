@@ -4,11 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from eagle3ops.data.chat import tokenize_conversation
 from eagle3ops.data.conversations import DatasetError, content_id, load_conversations
 from eagle3ops.data.prepare import (
     DROPPED_IDS_LISTED,
@@ -76,11 +78,27 @@ def test_malformed_json_names_file_and_exact_line(tmp_path):
     ({"id": "x", "messages": [{"role": "user"}]}, "turn 0 needs 'role' and 'content'"),
     ({"id": "x", "messages": [{"role": "user", "content": "u"}, {"content": "a"}]}, "turn 1 needs 'role' and 'content'"),
     ({"id": "x", "conversations": [{"from": "human"}]}, "turn 0 needs 'from' and 'value'"),
-    ({"id": "x", "conversations": [{"from": "bot", "value": "hi"}]}, "turn 0 has unknown role 'bot'"),
-    ({"id": "x", "messages": [{"role": "tool", "content": "hi"}]}, "turn 0 has unknown role 'tool'"),
+    ({"id": "x", "conversations": [{"from": "bot", "value": "hi"}]},
+     "turn 0 has unknown role 'bot' (known roles: system, human, user, gpt, assistant)"),
+    ({"id": "x", "messages": [{"role": "tool", "content": "hi"}]}, "turn 0 has role 'tool', a tool's turn"),
+    ({"id": "x", "conversations": [{"from": "observation", "value": "hi"}]}, "turn 0 has role 'observation'"),
+    ({"id": "x", "messages": [{"role": ["user"], "content": "hi"}]}, "turn 0 has unknown role ['user']"),
     ({"id": "x", "messages": "hello"}, "empty or not a list"),
     ({"id": "x", "messages": []}, "empty or not a list"),
-    ({"id": "x", "messages": [{"role": "user", "content": None}]}, "turn 0 content is not a string"),
+    ({"id": "x", "messages": [{"role": "user", "content": None}]},
+     'turn 0 content is null: expected a string or a list of text parts ([{"type": "text", "text": "..."}, ...])'),
+    ({"id": "x", "messages": [{"role": "user", "content": 7}]}, "turn 0 content is a int: expected a string"),
+    ({"id": "x", "messages": [{"role": "assistant", "tool_calls": [{"id": "call_1"}]}]},
+     "turn 0 (assistant) has 'tool_calls': tool calls are not supported"),
+    ({"id": "x", "messages": [{"role": "assistant", "content": "Let me look.", "function_call": {"name": "f"}}]},
+     "turn 0 (assistant) has 'function_call': tool calls are not supported"),
+    ({"id": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                           {"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     "turn 0 content part 1 has type 'image_url': only text parts are supported"),
+    ({"id": "x", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "drop the input_audio parts, or the conversations that need them, first"),
+    ({"id": "x", "messages": [{"role": "user", "content": ["hi"]}]}, "turn 0 content part 0 is not a text part"),
+    ({"id": "x", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "turn 0 content part 0 is not a text part"),
     ({"id": "x", "text": "hello"}, "needs 'messages'"),
     ([1, 2], "expected a JSON object, got list"),
 ])
@@ -90,6 +108,48 @@ def test_bad_record_names_file_and_line(tmp_path, record, message):
         load_conversations(path)
     assert str(err.value).startswith(f"{path}:2: ")
     assert message in str(err.value)
+
+
+def test_openai_text_parts_read_as_the_plain_string(tmp_path, tiny_tokenizer):
+    """Content as OpenAI's list of text parts, as users' datasets often have it: the same messages, ids and tokens
+    as the plain string; several parts joined by a newline, as vLLM renders them for the target."""
+    plain = openai("p", ("system", "Be brief."), ("user", "Hi, what is the fox?"), ("assistant", "A quick animal."))
+    parts = {"id": "p", "messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                                     for m in plain["messages"]]}
+    read_plain = load_conversations(write_lines(tmp_path / "plain.jsonl", [plain]))
+    read_parts = load_conversations(write_lines(tmp_path / "parts.jsonl", [parts]))
+    assert read_parts == read_plain
+    tokens = tokenize_conversation(tiny_tokenizer, read_parts[0]["messages"], 64)
+    assert tokens == tokenize_conversation(tiny_tokenizer, plain["messages"], 64) and sum(tokens.loss_mask) > 0
+    unnamed = [{k: v for k, v in record.items() if k != "id"} for record in (plain, parts)]  # content_id alike
+    assert load_conversations(write_lines(tmp_path / "a.jsonl", unnamed[:1])) == \
+        load_conversations(write_lines(tmp_path / "b.jsonl", unnamed[1:]))
+    two = {"id": "q", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                 {"type": "text", "text": "there"}]}]}
+    assert load_conversations(write_lines(tmp_path / "two.jsonl", [two]))[0]["messages"][0]["content"] == "Hi\nthere"
+
+
+def test_tool_calls_are_refused_with_what_to_do(tmp_path):
+    """An assistant turn that calls a tool (content null), and the tool's answer: one line naming the file, line and
+    turn, what is supported and what to do."""
+    tools = {"id": "t", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}]}
+    path = write_lines(tmp_path / "d.jsonl", [openai("ok", ("user", "u"), ("assistant", "a")), tools])
+    with pytest.raises(DatasetError) as err:
+        load_conversations(path)
+    assert str(err.value) == (
+        f"{path}:2: turn 1 (assistant) has 'tool_calls': tool calls are not supported (supported: system, user and "
+        f"assistant turns whose content is a string or a list of text parts); drop the conversations (or turns) that "
+        f"use tools, or write the calls and their results into the turns' text first, as your target's chat template "
+        f"renders them")
+    del tools["messages"][1]  # the tool's result alone
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(path))}:2: turn 1 has role 'tool', a tool's turn: tools "
+                                           rf"are not supported \(supported: .*\); drop the conversations"):
+        load_conversations(write_lines(path, [openai("ok", ("user", "u"), ("assistant", "a")), tools]))
 
 
 def test_duplicate_id_names_both_lines(tmp_path):
