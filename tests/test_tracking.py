@@ -222,3 +222,53 @@ def test_report_points_at_the_right_ui():
     assert mlflow_ui_hint("sqlite:///mlflow.db").startswith("`mlflow ui --backend-store-uri sqlite:///mlflow.db`")
     assert mlflow_ui_hint("http://mlflow.team:5000/", "7") == (
         "open http://mlflow.team:5000/#/experiments/7/runs?workflowType=machine_learning")
+
+
+SUPPORTED = ("http(s)://HOST[:PORT] (a tracking server), sqlite:///PATH.db, postgresql://, mysql:// or mssql:// (a "
+             "database; +DRIVER allowed), file:///DIR or a directory path, databricks")
+
+
+@pytest.mark.parametrize("uri", ["ftp://x", "localhost:5000", "http://", "sqlite://mlflow.db"])
+def test_a_malformed_uri_names_its_variable_and_the_stores_supported(monkeypatch, capsys, uri) -> None:
+    """Refused in one line before any stage work, not reported as a server that is down in a message cut short."""
+    from eagle3ops.cli import main
+    from eagle3ops.errors import InputError
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(InputError) as refused:
+        tracking_uri(Config())
+    assert str(refused.value).startswith(f"MLFLOW_TRACKING_URI {uri!r}: ")
+    assert str(refused.value).endswith(f"; supported: {SUPPORTED}")
+    with pytest.raises(InputError), stage_run(Config(), "eval", variant="scratch"):
+        pass
+    assert not Path(".eagle3ops").exists()  # nothing recorded offline for a store that can never be reached
+
+    assert main(["sync"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"eagle3ops sync: error: {refused.value}"
+
+
+def test_a_malformed_uri_in_the_params_or_on_the_command_line_is_named_so(monkeypatch, capsys) -> None:
+    from eagle3ops.cli import main
+    from eagle3ops.errors import InputError
+
+    cfg = Config()
+    cfg.mlflow.tracking_uri = "ftp://x"
+    with pytest.raises(InputError, match=r"^params mlflow\.tracking_uri 'ftp://x': ftp:// is not a store MLflow records "
+                                         r"runs in; supported: http\(s\)://"):
+        tracking_uri(cfg)
+    Path("params.yaml").write_text("mlflow:\n  tracking_uri: ftp://x\n")
+    assert main(["sync"]) == 1
+    assert capsys.readouterr().err == (f"eagle3ops sync: error: params mlflow.tracking_uri 'ftp://x': ftp:// is not a "
+                                       f"store MLflow records runs in; supported: {SUPPORTED}\n")
+    assert main(["sync", "--tracking-uri", "ftp://u:secret@x"]) == 1
+    assert capsys.readouterr().err == (f"eagle3ops sync: error: --tracking-uri 'ftp://u:***@x': ftp:// is not a store "
+                                       f"MLflow records runs in; supported: {SUPPORTED}\n")
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///mlflow.db", "sqlite:////srv/mlflow.db", "http://127.0.0.1:5000",
+                                 "https://mlflow.example.com/", "postgresql+psycopg://mlflow:pw@db:5432/mlflow",
+                                 "mysql://db/mlflow", "file:///srv/mlruns", "mlruns", "/srv/runs:v2", "databricks"])
+def test_the_stores_mlflow_records_in_are_taken_as_given(monkeypatch, uri) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert tracking_uri(Config()) == uri

@@ -200,7 +200,10 @@ def _report(args) -> int:
 
 def _sync(args) -> int:
     from eagle3ops.tracking.outbox import pending, sync
+    from eagle3ops.tracking.store import check_uri
 
+    if args.tracking_uri:
+        check_uri(args.tracking_uri, "--tracking-uri")
     uri = _store_uri(args)
     uploaded = sync(uri, Path.cwd())
     print(f"uploaded {len(uploaded)} run(s) to {uri}; {len(pending(Path.cwd()))} left in the outbox")

@@ -8,6 +8,7 @@ import os
 import re
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import requests
 from mlflow import MlflowClient
@@ -58,8 +59,48 @@ def default_uri(root: Path) -> str:
 
 def tracking_uri(cfg: Config) -> str:
     """Where runs are recorded: $MLFLOW_TRACKING_URI (it overrides, as in MLflow itself), else the config's
-    mlflow.tracking_uri, else mlflow.db at the repository root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow.tracking_uri or default_uri(project_root())
+    mlflow.tracking_uri, else mlflow.db at the repository root. One that names no store MLflow can record in is
+    an InputError naming the setting it came from (see check_uri)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return check_uri(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI")
+    if cfg.mlflow.tracking_uri:
+        return check_uri(cfg.mlflow.tracking_uri, "params mlflow.tracking_uri")
+    return default_uri(project_root())
+
+
+# The stores MLflow 3 records runs in, as its tracking URI names them; a database may name its driver
+# (postgresql+psycopg://). A bare path (no scheme) is a directory of MLflow's file store, as file:// is.
+SERVER_SCHEMES = frozenset({"http", "https"})
+DATABASE_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
+OTHER_SCHEMES = frozenset({"file", "databricks"})
+SUPPORTED_STORES = ("http(s)://HOST[:PORT] (a tracking server), sqlite:///PATH.db, postgresql://, mysql:// or "
+                    "mssql:// (a database; +DRIVER allowed), file:///DIR or a directory path, databricks")
+
+
+def check_uri(uri: str, source: str) -> str:
+    """`uri` if MLflow can record runs there, else an InputError in one line that names `source` (the variable,
+    params key or option it came from), what is wrong, and the stores supported. Caught here, before any stage
+    work: MLflow would fail only on first use, in an error cut short that reads as a server being down."""
+    from eagle3ops.errors import InputError
+
+    def refuse(what: str) -> InputError:
+        return InputError(f"{source} {scrub(uri)!r}: {what}; supported: {SUPPORTED_STORES}")
+
+    if not uri.strip() or uri.strip() != uri:
+        raise refuse("empty, or blanks around it")
+    if re.fullmatch(r"[\w.-]+:\d+/?", uri):  # localhost:5000: no scheme (MLflow would make a directory of it)
+        raise refuse(f"no scheme: a tracking server there is http://{uri}")
+    parsed = urlparse(uri)  # as MLflow reads it: no scheme is a directory of its file store
+    scheme = parsed.scheme.lower()
+    kind = scheme.partition("+")[0]  # a database's driver: postgresql+psycopg://
+    if scheme in SERVER_SCHEMES and not parsed.netloc:
+        raise refuse("no host")
+    if scheme == "sqlite" and (parsed.netloc or parsed.path in ("", "/")):
+        raise refuse("a SQLite file is sqlite:///RELATIVE/PATH.db or sqlite:////ABSOLUTE/PATH.db (three slashes, "
+                     "no host; an in-memory database keeps nothing)")
+    if scheme and not (scheme in SERVER_SCHEMES | OTHER_SCHEMES or kind in DATABASE_SCHEMES):
+        raise refuse(f"{parsed.scheme}:// is not a store MLflow records runs in")
+    return uri
 
 
 def scrub(text: str) -> str:
