@@ -3,14 +3,18 @@
 Uses a real `mlflow server` on loopback, stopped and started again by the tests.
 """
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 
 from eagle3ops.cli import main
 from eagle3ops.config import Config
@@ -180,3 +184,143 @@ def test_records_carried_without_the_drafter_weights_upload_all_but_the_model(wo
     assert (by_stage["eval@scratch"].start_time, by_stage["eval@scratch"].end_time) == (int(last - wall * 1000), last)
     parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"]).info
     assert parent.start_time == train_record["start_time"] and parent.end_time == last  # its first and last stage
+
+
+# ----------------------------------------------------------------------------------- damaged entries (sqlite store)
+# Entries written by the Outbox itself, as a stage that never reached its server leaves them, then synced into a
+# local sqlite store: no server needed.
+
+def offline_entry(root: Path, name: str, tau: float, finished: bool = True, model: Path | None = None) -> Path:
+    """An outbox entry of a stage run recorded offline from the start, renamed `name` (entries sync in name order),
+    with a metric, a directory artifact, hardware.json and, given its directory, a drafter to log."""
+    from eagle3ops.tracking.outbox import Outbox
+
+    box = Outbox(root, {"experiment": "eagle3ops", "pipeline_key": "k1", "parent_name": "pipeline t",
+                        "parent_tags": {"eagle3ops.pipeline_key": "k1"}, "run_name": f"eval@scratch · {name}",
+                        "tags": {"eagle3ops.stage": "eval", "eagle3ops.role": "stage"}, "params": {"eval.k": "3"},
+                        "start_time": int(time.time() * 1000), "run_id": None, "parent_id": None})
+    box.metrics([Metric("tau", tau, int(time.time() * 1000), 0)])
+    box.artifact(root / "drafter", "drafter")
+    box.document("hardware.json", {"accelerator": "cpu"})
+    if model is not None:
+        box.model(model, "scratch", {"target": "t"}, {"eval.k": "3"})
+    if finished:
+        box.finish("FINISHED")
+    return box.dir.rename(box.dir.parent / name)
+
+
+def uploaded_taus(uri: str) -> list[float]:
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("eagle3ops")
+    runs = client.search_runs([experiment.experiment_id], "tags.`eagle3ops.role` = 'stage'") if experiment else []
+    return sorted(run.data.metrics["tau"] for run in runs)
+
+
+def contents(directory: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture
+def local(tmp_path, monkeypatch):
+    uri = isolate(monkeypatch, tmp_path)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    return tmp_path, uri
+
+
+def test_a_cut_short_record_is_set_aside_and_the_entries_around_it_upload(local, capsys):
+    root, uri = local
+    first, bad, last = (offline_entry(root, f"20260101-00000{i}-entry{i}", tau) for i, tau in enumerate((1.0, 2.0, 3.0)))
+    text = (bad / "run.json").read_bytes()
+    (bad / "run.json").write_bytes(text[: len(text) // 2])  # a disk that filled, a copy cut short
+    before = contents(bad)
+
+    assert main(["sync", "--tracking-uri", uri]) == 1
+    out, err = capsys.readouterr()
+    assert uploaded_taus(uri) == [1.0, 3.0]
+    aside = root / ".eagle3ops" / "outbox-rejected" / bad.name
+    assert contents(aside) == before and not bad.exists()  # moved whole, nothing rewritten
+    (line,) = [line for line in err.splitlines() if "skipped" in line]
+    assert line.startswith(f"eagle3ops sync: skipped .eagle3ops/outbox/{bad.name}/run.json: not valid JSON, cut short")
+    assert line.endswith(f"set aside, whole, in .eagle3ops/outbox-rejected/{bad.name}/")
+    assert out.strip().endswith("0 left in the outbox; 1 damaged entry skipped, set aside whole in "
+                                ".eagle3ops/outbox-rejected/ (each named above): once fixed, `mv "
+                                ".eagle3ops/outbox-rejected/ENTRY .eagle3ops/outbox/` and run `eagle3ops sync` again")
+    assert not pending(root)
+
+    assert main(["sync", "--tracking-uri", uri]) == 0  # not tried again, nothing uploaded twice
+    out, err = capsys.readouterr()
+    assert "skipped" not in err and out.startswith("uploaded 0 run(s)")
+    assert uploaded_taus(uri) == [1.0, 3.0] and contents(aside) == before
+
+    (aside / "run.json").write_bytes(text)  # fixed, and moved back as the summary says
+    aside.rename(root / ".eagle3ops" / "outbox" / bad.name)
+    assert main(["sync", "--tracking-uri", uri]) == 0
+    assert uploaded_taus(uri) == [1.0, 2.0, 3.0]
+
+
+def _no_record(entry: Path) -> None:
+    (entry / "run.json").unlink()
+    os.utime(entry, (time.time() - 3600, time.time() - 3600))  # not one a stage is creating now
+
+
+def _artifact_gone(entry: Path) -> None:
+    shutil.rmtree(entry / "files" / "0")
+
+
+def _document_cut(entry: Path) -> None:
+    (entry / "files" / "1" / "hardware.json").write_text('{"accelerator": "c')
+
+
+def _weights_cut(entry: Path) -> None:
+    weights = entry / "files" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+
+
+def _metric_garbled(entry: Path) -> None:
+    record = json.loads((entry / "run.json").read_text())
+    record["metrics"][0][1] = "high"
+    (entry / "run.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage, file, what", [
+    (_no_record, "run.json", "missing: the entry holds no record of its run"),
+    (_artifact_gone, "files/0/drafter", "missing (artifact 0 in run.json)"),
+    (_document_cut, "files/1/hardware.json", "not valid JSON, cut short or garbled"),
+    (_weights_cut, "files/model/model.safetensors", "cut short or padded: its header says"),
+    (_metric_garbled, "run.json", 'metric 0 is ["tau", "high", '),
+])
+def test_each_kind_of_damage_is_named_and_set_aside(local, capsys, damage, file, what):
+    from safetensors.numpy import save_file
+
+    root, uri = local
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": np.zeros((4, 4), dtype=np.float32)}, str(model / "model.safetensors"))
+    good = offline_entry(root, "20260101-000000-good", 1.0)
+    bad = offline_entry(root, "20260101-000001-bad", 2.0, model=model)
+    damage(bad)
+
+    assert main(["sync", "--tracking-uri", uri]) == 1
+    err = capsys.readouterr().err
+    assert f"eagle3ops sync: skipped .eagle3ops/outbox/{bad.name}/{file}: {what}" in err
+    assert (root / ".eagle3ops" / "outbox-rejected" / bad.name).is_dir() and not good.exists()
+    assert uploaded_taus(uri) == [1.0]
+
+
+def test_an_entry_its_stage_is_still_writing_is_left_alone(local, capsys):
+    root, uri = local
+    offline_entry(root, "20260101-000000-done", 1.0)
+    running = offline_entry(root, "20260101-000001-running", 2.0, finished=False)
+    shutil.rmtree(running / "files" / "0")  # what it names may not all be there yet: still not damaged
+    creating = root / ".eagle3ops" / "outbox" / "20260101-000002-new"
+    creating.mkdir()  # a stage between making its entry and writing its record
+
+    assert main(["sync", "--tracking-uri", uri]) == 0
+    out, err = capsys.readouterr()
+    assert "skipped" not in err and out.strip().endswith("2 left in the outbox")
+    assert pending(root) == [running, creating]
+    assert json.loads((running / "run.json").read_text())["status"] == "RUNNING"
+    assert not (root / ".eagle3ops" / "outbox-rejected").exists()
+    assert uploaded_taus(uri) == [1.0]

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 EXIT_CODES = {
     0: "done (check-compat: compatible; reproduce: identical; validate-export: valid)",
     1: "bad input, named in one line on stderr: a params value, a dataset, a model or drafter directory, a run; "
-       "validate-export: the export is invalid; compare: no run matches (a traceback exits 1 too)",
+       "validate-export: the export is invalid; compare: no run matches; sync: a damaged outbox entry, named and "
+       "set aside in .eagle3ops/outbox-rejected/, the others uploaded (a traceback exits 1 too)",
     2: "usage: the command line or the params file is wrong: an unknown command or option, a params file that does "
        "not fit the schema, a compare --filter or run id that MLflow cannot answer",
     3: "reproduce: an output's hash or a metric came back different",
@@ -199,15 +200,22 @@ def _report(args) -> int:
 # --------------------------------------------------------------------------------------------------------- tools
 
 def _sync(args) -> int:
-    from eagle3ops.tracking.outbox import pending, sync
-    from eagle3ops.tracking.store import check_uri
+    """Exit 1 when a damaged entry was set aside (each named on stderr as it was); the others are uploaded."""
+    from eagle3ops.tracking.outbox import OUTBOX_DIR, REJECTED_DIR, pending, sync
+    from eagle3ops.tracking.store import check_uri, scrub
 
     if args.tracking_uri:
         check_uri(args.tracking_uri, "--tracking-uri")
     uri = _store_uri(args)
-    uploaded = sync(uri, Path.cwd())
-    print(f"uploaded {len(uploaded)} run(s) to {uri}; {len(pending(Path.cwd()))} left in the outbox")
-    return 0
+    synced = sync(uri, Path.cwd())
+    line = f"uploaded {len(synced.uploaded)} run(s) to {scrub(uri)}; {len(pending(Path.cwd()))} left in the outbox"
+    if not synced.rejected:
+        print(line)
+        return 0
+    print(f"{line}; {len(synced.rejected)} damaged entr{'y' if len(synced.rejected) == 1 else 'ies'} skipped, set "
+          f"aside whole in {REJECTED_DIR}/ (each named above): once fixed, `mv {REJECTED_DIR}/ENTRY {OUTBOX_DIR}/` "
+          f"and run `eagle3ops sync` again")
+    return 1
 
 
 def _reproduce_arguments(reproduce: argparse.ArgumentParser) -> None:

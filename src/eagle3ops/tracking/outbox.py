@@ -5,12 +5,19 @@ and from the first failed call everything it would have logged (params, tags, me
 to log as a model or register, its final status) lands in `.eagle3ops/outbox/<id>/` instead, artifacts copied (hard-linked
 where the disk allows). `sync` replays each entry into the run the stage had started, or into a new run
 under the pipeline's parent when the server was down from the start, then removes the entry.
+
+An entry that cannot be uploaded as it lies (its run.json cut short or missing, a file it names gone or cut short:
+records carried between machines, a disk that filled) is checked before anything of it is sent, named with what is
+wrong, and moved whole into `.eagle3ops/outbox-rejected/<id>/`, never deleted: the others still upload, and once
+fixed it goes back into the outbox for the next sync. An entry whose stage is still running is left alone.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import struct
 import sys
 import time
 import uuid
@@ -18,13 +25,16 @@ from pathlib import Path
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunStatus
 
 from eagle3ops.fs import link_or_copy, write_json_atomic
 from eagle3ops.tracking.registry import MODEL_FILES, Measurement, log_drafter_model, register_drafter
 
 OUTBOX_DIR = Path(".eagle3ops") / "outbox"
+REJECTED_DIR = Path(".eagle3ops") / "outbox-rejected"  # damaged entries, set aside whole by sync
 RECORD = "run.json"
+# An entry without its run.json that is younger than this may be one a stage is creating right now
+FRESH_S = 60.0
 
 
 def _copy(source: Path, destination: Path) -> None:
@@ -100,20 +110,205 @@ def _times(record: dict) -> tuple[int | None, int | None]:
 
 
 def pending(root: Path) -> list[Path]:
-    return sorted(p.parent for p in (root / OUTBOX_DIR).glob(f"*/{RECORD}"))
+    """The outbox's entries, oldest first: each directory under it, with its run.json or not."""
+    outbox = root / OUTBOX_DIR
+    return sorted(p for p in outbox.iterdir() if p.is_dir()) if outbox.is_dir() else []
 
 
-def sync(uri: str, root: Path) -> list[str]:
-    """Upload every outbox entry to the tracking server at `uri`; returns the run ids written."""
+class Damaged(Exception):
+    """An outbox entry that cannot be uploaded as it lies: the file at fault and what is wrong with it."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"{path}: {what}")
+        self.path, self.what = path, what
+
+
+@dataclasses.dataclass
+class Rejected:
+    """A damaged entry, set aside: where it lay, where it lies now, and why."""
+
+    entry: Path
+    moved_to: Path
+    why: Damaged
+
+
+@dataclasses.dataclass
+class Synced:
+    uploaded: list[str]  # the run ids written
+    rejected: list[Rejected]
+
+
+TERMINAL = frozenset(RunStatus.to_string(s) for s in (RunStatus.FINISHED, RunStatus.FAILED, RunStatus.KILLED))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _strings(value, scalars: bool = False) -> bool:
+    """A mapping of names to strings (to scalars, with `scalars`), as tags and params are kept."""
+    kinds = (str, int, float, bool) if scalars else (str,)
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, kinds) for k, v in value.items())
+
+
+def _stored(entry: Path, name) -> Path:
+    """A path the record names inside its entry; Damaged when it is not one (absolute, or leaving the entry)."""
+    relative = Path(name) if isinstance(name, str) and name else None
+    if relative is None or relative.is_absolute() or ".." in relative.parts:
+        raise Damaged(entry / RECORD, f"names {name!r} as one of its files, which is no path inside the entry")
+    return entry / relative
+
+
+def _check_file(path: Path) -> None:
+    """What can be told of a file without uploading it: JSON parses, a safetensors file is as long as its header
+    says (the two kinds the stages log); every file can be read."""
+    try:
+        if path.suffix == ".json":
+            try:
+                json.loads(path.read_bytes())
+            except ValueError as err:
+                raise Damaged(path, f"not valid JSON, cut short or garbled ({err}; the file has "
+                                    f"{path.stat().st_size} bytes)") from None
+        elif path.suffix == ".safetensors":
+            size = path.stat().st_size
+            with path.open("rb") as handle:
+                head = handle.read(8)
+                length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+                header = handle.read(length) if length is not None and length <= size - 8 else b""
+            try:
+                tensors = json.loads(header) if header else None
+                end = max((t["data_offsets"][1] for name, t in tensors.items() if name != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                raise Damaged(path, f"not a safetensors file, or cut short inside its header (the file has {size} "
+                                    f"bytes)") from None
+            if size != 8 + length + end:
+                raise Damaged(path, f"cut short or padded: its header says {8 + length + end} bytes, the file has "
+                                    f"{size}")
+        elif not os.access(path, os.R_OK):
+            raise Damaged(path, "cannot be read (permissions)")
+    except OSError as err:
+        raise Damaged(path, f"cannot be read ({err.strerror or err})") from None
+
+
+def _check_files(path: Path, what: str) -> None:
+    if not path.exists():
+        raise Damaged(path, f"missing ({what} in {RECORD})")
+    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if file.is_file():
+            _check_file(file)
+
+
+def _read(entry: Path) -> dict | None:
+    """The entry's record, checked against what sync will read of it and of its files; None while its stage is
+    still writing it. Damaged when it cannot be uploaded as it lies."""
+    path = entry / RECORD
+    if not path.is_file():
+        try:
+            fresh = time.time() - entry.stat().st_mtime < FRESH_S
+        except OSError:
+            return None  # gone meanwhile
+        if fresh:
+            return None  # a stage may be creating it right now
+        raise Damaged(path, "missing: the entry holds no record of its run")
+    try:
+        record = json.loads(path.read_bytes())
+    except ValueError as err:
+        raise Damaged(path, f"not valid JSON, cut short or garbled ({err}; the file has {path.stat().st_size} "
+                            f"bytes)") from None
+    except OSError as err:
+        raise Damaged(path, f"cannot be read ({err.strerror or err})") from None
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise Damaged(path, what)
+
+    expect(isinstance(record, dict), f"holds a JSON {type(record).__name__}, not a run's record")
+    if record.get("status") == "RUNNING":
+        return None  # its stage is still going (or was killed: it will be re-run anyway)
+    expect(record.get("status") in TERMINAL, f"status {record.get('status')!r} is none of {sorted(TERMINAL)}")
+    expect(isinstance(record.get("experiment"), str) and record["experiment"] != "", "names no experiment")
+    if record.get("run_id") is None:  # the run is created by sync: everything that makes it must be there
+        for key in ("pipeline_key", "parent_name", "run_name"):
+            expect(isinstance(record.get(key), str), f"{key!r} is missing or not a string")
+        for key in ("parent_tags", "tags", "params"):
+            expect(_strings(record.get(key)), f"{key!r} is missing or not a mapping of names to strings")
+    else:
+        expect(isinstance(record["run_id"], str), "'run_id' is not a string")
+        expect(isinstance(record.get("parent_id"), str), "has a run id but no 'parent_id'")
+    expect(_strings(record.get("late_tags", {})), "'late_tags' is not a mapping of names to strings")
+    metrics = record.get("metrics")
+    expect(isinstance(metrics, list), "'metrics' is missing or not a list")
+    for at, metric in enumerate(metrics):
+        expect(isinstance(metric, list) and len(metric) == 4 and isinstance(metric[0], str) and _number(metric[1])
+               and all(isinstance(n, int) and not isinstance(n, bool) for n in metric[2:]),
+               f"metric {at} is {json.dumps(metric)[:80]}, not [key, value, timestamp, step]")
+    for key in ("start_time", "end_time"):
+        expect(record.get(key) is None or isinstance(record[key], int), f"{key!r} is not a time in ms")
+    artifacts = record.get("artifacts")
+    expect(isinstance(artifacts, list), "'artifacts' is missing or not a list")
+    for at, artifact in enumerate(artifacts):
+        expect(isinstance(artifact, dict) and isinstance(artifact.get("artifact_path"), (str, type(None)))
+               and isinstance(artifact.get("on_parent", False), bool), f"artifact {at} is not a file to log")
+        _check_files(_stored(entry, artifact.get("file")), f"artifact {at}")
+    pipeline = record.get("pipeline")
+    expect(pipeline is None or (isinstance(pipeline, dict) and set(pipeline) == {"metrics", "params", "tags"}
+                                and _strings(pipeline.get("params"))
+                                and _strings(pipeline.get("tags")) and isinstance(pipeline.get("metrics"), dict)
+                                and all(_number(v) for v in pipeline["metrics"].values())),
+           "'pipeline' is not the pipeline run's metrics, params and tags")
+    model = record.get("model")
+    if model is not None:
+        expect(isinstance(model, dict) and isinstance(model.get("name"), str) and _strings(model.get("tags"), True)
+               and _strings(model.get("params"), True), "'model' is not a drafter to log")
+        directory = _stored(entry, model.get("dir"))
+        if directory.is_dir():  # absent altogether: records carried without the weights, uploaded without them
+            for file in MODEL_FILES:
+                _check_files(directory / file, "the drafter's weights")
+    register = record.get("register")
+    if isinstance(register, dict) and "sha256" in register:  # without: an older record, uploaded unregistered
+        try:
+            Measurement(**{key: tuple(value) if isinstance(value, list) else value
+                           for key, value in register["measurement"].items()})
+            ok = (isinstance(register["name"], str) and isinstance(register["sha256"], str)
+                  and _number(register["tau"]) and isinstance(register["linked_metrics"], dict)
+                  and all(isinstance(v, list) for v in register["linked_metrics"].values()))
+        except (KeyError, TypeError, AttributeError):
+            ok = False
+        expect(ok, "'register' is not a drafter's registration")
+    else:
+        expect(register is None or isinstance(register, dict), "'register' is not a drafter's registration")
+    return record
+
+
+def _set_aside(entry: Path, root: Path, why: Damaged) -> Rejected:
+    """Move a damaged entry whole into REJECTED_DIR, under its own name (a number after it if that is taken)."""
+    rejected = root / REJECTED_DIR
+    rejected.mkdir(parents=True, exist_ok=True)
+    target, n = rejected / entry.name, 1
+    while target.exists():
+        n += 1
+        target = rejected / f"{entry.name}-{n}"
+    shutil.move(str(entry), str(target))
+    return Rejected(entry, target, why)
+
+
+def sync(uri: str, root: Path) -> Synced:
+    """Upload every outbox entry to the tracking server at `uri`, oldest first. A damaged entry is named on stderr
+    (the file at fault, what is wrong, where the entry went) and set aside into REJECTED_DIR; the others still go."""
     from eagle3ops.tracking.store import find_or_create_experiment, find_or_create_parent_run, log_pipeline_run
 
     mlflow.set_tracking_uri(uri)  # the registry resolves models:/ sources through the global store
     client = MlflowClient(uri)
-    done = []
+    done, rejected = [], []
     for entry in pending(root):
-        record = json.loads((entry / RECORD).read_text())
-        if record["status"] == "RUNNING":
-            continue  # its stage is still going (or was killed: it will be re-run anyway)
+        try:
+            record = _read(entry)
+        except Damaged as why:
+            rejected.append(_set_aside(entry, root, why))
+            _report_rejected(rejected[-1], root)
+            continue
+        if record is None:
+            continue  # its stage is still writing it
         experiment_id = find_or_create_experiment(client, record["experiment"], None)
         run_id, (start_time, end_time) = record.get("run_id"), _times(record)
         if run_id is None:  # the server was down from the start: create what the stage could not
@@ -131,12 +326,12 @@ def sync(uri: str, root: Path) -> list[str]:
         for first in range(0, len(metrics), 1000):
             client.log_batch(run_id, metrics=metrics[first : first + 1000])
         for artifact in record["artifacts"]:
-            target = record["parent_id"] if artifact["on_parent"] else run_id
+            target = record["parent_id"] if artifact.get("on_parent") else run_id
             path = entry / artifact["file"]
             if path.is_dir():
-                client.log_artifacts(target, str(path), artifact["artifact_path"] or path.name)
+                client.log_artifacts(target, str(path), artifact.get("artifact_path") or path.name)
             else:
-                client.log_artifact(target, str(path), artifact["artifact_path"])
+                client.log_artifact(target, str(path), artifact.get("artifact_path"))
         if record.get("pipeline"):
             log_pipeline_run(client, record["parent_id"], **record["pipeline"])
         if record.get("model") and not (entry / record["model"]["dir"]).is_dir():
@@ -147,10 +342,10 @@ def sync(uri: str, root: Path) -> list[str]:
             wanted = record["model"]
             log_drafter_model(client, client.get_run(run_id), entry / wanted["dir"], wanted["name"], wanted["tags"],
                               wanted["params"])
-        if record["register"] and "sha256" not in record["register"]:
+        if record.get("register") and "sha256" not in record["register"]:
             print(f"eagle3ops sync: {entry.name}: a registration recorded by an older eagle3ops (no weights digest); "
                   f"its run is uploaded, its drafter not registered", file=sys.stderr)
-        elif record["register"]:
+        elif record.get("register"):
             wanted = record["register"]
             version = register_drafter(client, client.get_run(run_id), wanted["name"], wanted["sha256"], wanted["tau"],
                              {key: tuple(value) for key, value in wanted["linked_metrics"].items()},
@@ -165,4 +360,13 @@ def sync(uri: str, root: Path) -> list[str]:
             client.set_terminated(record["parent_id"], parent.status, end_time)
         shutil.rmtree(entry)
         done.append(run_id)
-    return done
+    return Synced(done, rejected)
+
+
+def _relative(path: Path, root: Path) -> Path:
+    return path.relative_to(root) if path.is_relative_to(root) else path
+
+
+def _report_rejected(rejected: Rejected, root: Path) -> None:
+    print(f"eagle3ops sync: skipped {_relative(rejected.why.path, root)}: {rejected.why.what}; the entry is set "
+          f"aside, whole, in {_relative(rejected.moved_to, root)}/", file=sys.stderr, flush=True)
