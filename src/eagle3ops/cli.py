@@ -151,7 +151,9 @@ def _export_arguments(export: argparse.ArgumentParser) -> None:
     export.add_argument("source", nargs="?", metavar="DRAFTER",
                         help="the drafter directory to export (any layout), or a registered drafter such as "
                              "models:/eagle3-drafter@champion (from the store params.yaml's mlflow section names)")
-    export.add_argument("out", nargs="?", metavar="OUT", help="the export directory (replaced atomically)")
+    export.add_argument("out", nargs="?", metavar="OUT",
+                        help="the export directory, written atomically: it replaces a previous export only, and "
+                             "refuses a path holding anything else")
     export.add_argument("--format", choices=list(ExportFormat), help="the layout to write (with DRAFTER OUT)")
     export.add_argument("--target", metavar="TARGET_DIR", help="the target model directory it is served with")
     export.add_argument("--speculative-tokens", type=int, default=3, metavar="K",
@@ -228,13 +230,16 @@ def _reproduce_arguments(reproduce: argparse.ArgumentParser) -> None:
 def _reproduce(args) -> int:
     from mlflow import MlflowClient
 
+    from eagle3ops.fs import REPRODUCTION, check_output, write_text_atomic
     from eagle3ops.runs.reproduce import as_json, reproduce, summary
 
+    if args.json:  # before the pipeline runs again: --json may replace only an earlier reproduce report
+        check_output(args.json, REPRODUCTION)
     uri = _store_uri(args)
     result = reproduce(MlflowClient(uri), args.run_id, Path.cwd(), uri, keep=args.keep)
     print(summary(result))
     if args.json:
-        Path(args.json).write_text(as_json(result))
+        write_text_atomic(args.json, as_json(result), REPRODUCTION)
     return 0 if result.identical else 3
 
 
@@ -278,16 +283,14 @@ def _project(args) -> int:
     from mlflow import MlflowClient
 
     from eagle3ops.runs.projection import project_runs
-    from eagle3ops.runs.projection_report import plot_check, render
+    from eagle3ops.runs.projection_report import render, write_report
 
     projection = project_runs(MlflowClient(_store_uri(args)), args.run, args.samples, args.to, args.from_profile,
                               args.measured)
     text = render(projection)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-        if projection.check is not None:
-            plot_check(projection, Path(args.out).with_suffix(".png"))
+        write_report(projection, text, args.out)
     return 0
 
 
@@ -320,12 +323,15 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def _bench(args) -> int:
-    from eagle3ops.benchmark.report import render, write_result
+    from eagle3ops.benchmark.report import outputs, render, write_result
     from eagle3ops.benchmark.run import run_bench
     from eagle3ops.benchmark.training import run_data_parallel_bench
+    from eagle3ops.fs import check_output
     from eagle3ops.modeling.target import resolve_device
     from eagle3ops.training.distributed import launched_world
 
+    for path, kind in outputs(Path(args.out), args.parts):  # before measuring: they replace an earlier bench's only
+        check_output(path, kind)
     world = launched_world().size
     if world > 1:  # under torchrun: data-parallel training, against one rank alone
         if args.parts != ["train"]:
@@ -394,9 +400,9 @@ def _check_compat(args) -> int:
     _serving_findings(report, args.target)
     print(report.render())
     if args.json:
-        from eagle3ops.fs import write_json_atomic
+        from eagle3ops.fs import COMPAT_REPORT, write_json_atomic
 
-        write_json_atomic(args.json, report.to_dict())
+        write_json_atomic(args.json, report.to_dict(), COMPAT_REPORT)
     return VERDICT_CODES[report.verdict]
 
 
@@ -426,7 +432,8 @@ def _preset(args) -> int:
 
 def _import_drafter_arguments(imported: argparse.ArgumentParser) -> None:
     imported.add_argument("source", metavar="SRC", help="the drafter directory to read")
-    imported.add_argument("out", metavar="OUT", help="the directory to write (replaced atomically)")
+    imported.add_argument("out", metavar="OUT", help="the directory to write, atomically: it replaces a drafter "
+                                                     "import-drafter wrote, and refuses a path holding anything else")
 
 
 def _import_drafter(args) -> int:
@@ -458,7 +465,10 @@ def _validate_export(args) -> int:
     import json
 
     from eagle3ops.formats.validate import serving_dtype, validate_export
+    from eagle3ops.fs import EXPORT_REPORT, check_output, write_text_atomic
 
+    if args.json:  # before serving: --json may replace only an earlier validate-export report
+        check_output(args.json, EXPORT_REPORT)
     settings = _params_or_defaults(args).vllm
     report = validate_export(args.directory, args.format, args.target, vllm=settings)
     print(report.render())
@@ -472,8 +482,8 @@ def _validate_export(args) -> int:
         served = serve_export(args.directory, serving_dtype(args.target), settings, log_name="validate-export")
         print(f"served on vLLM: {served['served_drafts']} draft steps, tau {served['served_tau']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**report.to_dict(), **(served or {})}, indent=2) + "\n",
-                                   encoding="utf-8")
+        write_text_atomic(args.json, json.dumps({**report.to_dict(), **(served or {})}, indent=2) + "\n",
+                          EXPORT_REPORT)
     return 0 if report.ok else 1
 
 

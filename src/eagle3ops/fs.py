@@ -1,4 +1,11 @@
-"""Writes that never leave half a result behind: a crash leaves the previous output or nothing."""
+"""Writes that never leave half a result behind and never replace what is not theirs.
+
+A crash leaves the previous output or nothing (atomic_dir, atomic_path and the write_*_atomic functions). An output
+at a path the user names on the command line (OUTPUTS: export OUT, compare --out, check-compat --json, ...)
+replaces only a previous output of its own kind, recognised by the marker or the layout its writer leaves; anything
+else there is refused in one line naming what is there, and nothing is written. The outputs a DVC stage writes at
+its own paths (dvc.yaml outs: DVC owns them) are replaced whatever they hold.
+"""
 from __future__ import annotations
 
 import errno
@@ -6,8 +13,9 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3ops.errors import InputError
@@ -18,6 +26,108 @@ NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 class NotWritableError(InputError):
     """An output that cannot be written where it was asked for."""
 
+
+class NotOursError(InputError):
+    """An output path that holds something other than a previous output of the same kind."""
+
+
+# ---------------------------------------------------------------------------------------- what a path may replace
+
+@dataclass(frozen=True)
+class Output:
+    """What a command writes at a path its user names, and how a previous one is recognised: a directory by the
+    `marker` file its writer leaves in it, or by holding nothing but the `only` files it writes; a file by its
+    content (`looks`)."""
+
+    what: str  # in the refusal: "{path} exists and is not {what}"
+    option: str  # the argument that names the path: "choose another {option}"
+    marker: str = ""
+    only: frozenset[str] = frozenset()
+    looks: Callable[[Path], bool] | None = None
+
+    @property
+    def directory(self) -> bool:
+        return self.looks is None
+
+    def recognises(self, path: Path) -> bool:
+        if path.is_symlink():
+            return False
+        if self.directory:
+            return path.is_dir() and bool((self.marker and (path / self.marker).is_file())
+                                          or (self.only and {p.name for p in path.iterdir()} <= self.only))
+        try:
+            return path.is_file() and self.looks(path)
+        except (OSError, ValueError):
+            return False
+
+
+def _json_with(*keys: str) -> Callable[[Path], bool]:
+    def looks(path: Path) -> bool:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return isinstance(data, dict) and set(keys) <= data.keys()
+    return looks
+
+
+def _text_starting(prefix: str) -> Callable[[Path], bool]:
+    def looks(path: Path) -> bool:
+        with path.open("rb") as handle:
+            return handle.read(len(prefix.encode())) == prefix.encode()
+    return looks
+
+
+def _matplotlib_png(path: Path) -> bool:
+    with path.open("rb") as handle:
+        head = handle.read(256)
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00Matplotlib" in head
+
+
+EXPORT = Output("an export written by eagle3ops", "OUT", marker="eagle3ops_export.json")
+IMPORTED_DRAFTER = Output("a drafter written by eagle3ops import-drafter", "OUT", marker="eagle3ops_import.json")
+COMPARISON = Output("a comparison written by eagle3ops compare", "--out",
+                    only=frozenset({"compare.md", "compare.csv", "params.csv", "compare.png"}))
+PROJECTION = Output("a projection written by eagle3ops project", "--out",
+                    looks=_text_starting("# Projection of pipeline run "))
+BENCH_RESULT = Output("a result written by eagle3ops bench", "--out", looks=_json_with("device", "size", "torch"))
+BENCH_TABLE = Output("a table written by eagle3ops bench", "--out", looks=_text_starting("# eagle3ops bench: "))
+PLOT = Output("a plot written by eagle3ops", "--out", looks=_matplotlib_png)
+COMPAT_REPORT = Output("a report written by eagle3ops check-compat", "--json",
+                       looks=_json_with("verdict", "target", "drafter", "findings"))
+EXPORT_REPORT = Output("a report written by eagle3ops validate-export", "--json",
+                       looks=_json_with("ok", "directory", "fmt", "target", "errors"))
+REPRODUCTION = Output("a report written by eagle3ops reproduce", "--json", looks=_json_with("outputs", "metrics"))
+OUTPUTS = (EXPORT, IMPORTED_DRAFTER, COMPARISON, PROJECTION, BENCH_RESULT, BENCH_TABLE, PLOT, COMPAT_REPORT,
+           EXPORT_REPORT, REPRODUCTION)
+
+
+def _what_is_there(path: Path, kind: Output) -> str:
+    if path.is_symlink():
+        return f"it is a link to {os.readlink(path)}"
+    if path.is_dir():
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+        if not entries:
+            return "it is an empty directory"
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        return f"it holds {shown}" if kind.directory else f"it is a directory holding {shown}"
+    if path.is_file():
+        size = path.stat().st_size
+        return f"it is a file of {size} byte{'s' if size != 1 else ''}"
+    return "it is neither a file nor a directory"
+
+
+def check_output(path: str | Path, kind: Output) -> None:
+    """Refuse (NotOursError) unless `path` is free for an output of `kind`: absent, an empty directory (a
+    directory output) or an empty file (a file output), or a previous output of that kind."""
+    path = Path(path)
+    if not os.path.lexists(path) or kind.recognises(path):
+        return
+    if not path.is_symlink() and (path.is_dir() if kind.directory else path.is_file()):
+        if not (any(path.iterdir()) if kind.directory else path.stat().st_size):
+            return
+    raise NotOursError(f"{path} exists and is not {kind.what} ({_what_is_there(path, kind)}): choose another "
+                       f"{kind.option} or remove it")
+
+
+# ---------------------------------------------------------------------------------------------- unwritable places
 
 @contextmanager
 def _writable(path: Path) -> Iterator[None]:
@@ -30,15 +140,39 @@ def _writable(path: Path) -> Iterator[None]:
         raise NotWritableError(f"{path}: cannot write there ({err.strerror}: {err.filename or path.parent})") from None
 
 
+# ------------------------------------------------------------------------------------------------- atomic writes
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for a moment, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _as_created(path: Path, mode: int) -> None:
+    """The permissions a plain open() or mkdir() gives (mkstemp and mkdtemp make them private to the owner)."""
+    os.chmod(path, mode & ~_umask())
+
+
 @contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `path`, on error it is removed."""
+def atomic_dir(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `path`, on error it is removed. With `kind` (a path the user named), what is at `path` must be free for it or a
+    previous output of that kind (check_output); without, whatever is there is replaced (a stage's own output)."""
     path = Path(path)
+    if kind is not None:
+        check_output(path, kind)
     with _writable(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
     try:
+        _as_created(tmp, 0o777)
         yield tmp
+        if kind is not None:  # again: what a long write left time to appear there is not replaced either
+            check_output(path, kind)
         if path.exists():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         tmp.rename(path)
@@ -46,17 +180,31 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _atomic_write(path: Path, write) -> None:
+@contextmanager
+def atomic_path(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling file name for a writer that takes a path; on success the file replaces `path`, on
+    error it is removed. `kind` as for atomic_dir."""
+    path = Path(path)
+    if kind is not None:
+        check_output(path, kind)
     with _writable(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            write(out)
+        _as_created(Path(tmp), 0o666)
+        yield Path(tmp)
+        if kind is not None:  # again, as atomic_dir does
+            check_output(path, kind)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _atomic_write(path: Path, write, kind: Output | None = None) -> None:
+    with atomic_path(path, kind) as tmp, tmp.open("w", encoding="utf-8") as out:
+        write(out)
 
 
 def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
@@ -72,12 +220,12 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
     return count
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    _atomic_write(Path(path), lambda out: out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+def write_json_atomic(path: str | Path, obj, kind: Output | None = None) -> None:
+    _atomic_write(Path(path), lambda out: out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n"), kind)
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    _atomic_write(Path(path), lambda out: out.write(text))
+def write_text_atomic(path: str | Path, text: str, kind: Output | None = None) -> None:
+    _atomic_write(Path(path), lambda out: out.write(text), kind)
 
 
 def link_or_copy(source: str | Path, destination: str | Path) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3ops.fs import BENCH_RESULT, BENCH_TABLE, PLOT, Output, check_output, write_json_atomic, write_text_atomic
+
 # SpecForge v0.2's own trainer on one H200 (LlamaForCausalLMEagle3 + OnlineEagle3Model, flex attention, TTT 7, bf16
 # with fp32 master weights, the Llama-3.1-8B drafter config, offline random features), each in a fresh process:
 # (batch, length) -> (tokens/s, peak GiB), from the measurement at commit 73e6f808 where it has the shape (1 x 2048,
@@ -322,11 +324,23 @@ def plot_extraction(result: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def write_result(result: dict, out: Path) -> None:
-    from eagle3ops.fs import write_json_atomic
+def outputs(out: Path, parts) -> list[tuple[Path, Output]]:
+    """What `bench --out FILE.json` writes for these parts (or a result's keys), each with the kind of output it
+    may replace: the JSON, the table beside it (FILE.md) and the plots (FILE.png, FILE-extract.png,
+    FILE-start.png)."""
+    keys = {part.replace("-", "_") for part in parts}
+    plots = {"train": out.with_suffix(".png"), "extract": out.with_name(out.stem + "-extract.png"),
+             "train_varlen": out.with_name(out.stem + "-start.png")}
+    return [(out, BENCH_RESULT), (out.with_suffix(".md"), BENCH_TABLE),
+            *((path, PLOT) for key, path in plots.items() if key in keys)]
 
-    write_json_atomic(out, result)
-    out.with_suffix(".md").write_text(render(result) + "\n")
+
+def write_result(result: dict, out: Path) -> None:
+    """The JSON, its table and plots; each replaces only what an earlier bench wrote there, all checked first."""
+    for path, kind in outputs(out, [key for key, value in result.items() if value]):
+        check_output(path, kind)
+    write_json_atomic(out, result, BENCH_RESULT)
+    write_text_atomic(out.with_suffix(".md"), render(result) + "\n", BENCH_TABLE)
     if result.get("train"):
         plot([result], out.with_suffix(".png"))
     if result.get("extract"):

@@ -37,7 +37,7 @@ from eagle3ops.formats.specforge import (
     write_checkpoint,
 )
 from eagle3ops.formats.speculators import from_speculators_config, from_speculators_names
-from eagle3ops.fs import atomic_dir
+from eagle3ops.fs import IMPORTED_DRAFTER, atomic_dir, write_json_atomic
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 
 LAYOUTS = {
@@ -243,11 +243,13 @@ def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
 
 def import_drafter(src_dir: str | Path, out_dir: str | Path) -> DrafterCheckpoint:
     """Convert the drafter in `src_dir` (any layout) into our native layout in `out_dir`, atomically, with the
-    source's provenance (a converted drafter is not one eagle3ops trained). A native source's training_state.pt is
-    copied as bytes (it is only ever loaded with weights_only)."""
+    source's provenance (a converted drafter is not one eagle3ops trained) and a record of where it came from
+    (IMPORTED_DRAFTER.marker): what is at `out_dir` is replaced only when it holds that record, a drafter imported
+    before. A native source's training_state.pt is copied as bytes (it is only ever loaded with weights_only)."""
     checkpoint = read_drafter(src_dir)
-    with atomic_dir(out_dir) as out:
+    with atomic_dir(out_dir, IMPORTED_DRAFTER) as out:  # replaces a drafter it imported before, nothing else
         write_checkpoint(checkpoint.cfg, checkpoint.weights, out, checkpoint.rope_scaling, checkpoint.provenance)
+        write_json_atomic(out / IMPORTED_DRAFTER.marker, {"source": str(src_dir), "source_layout": checkpoint.layout})
         state = Path(src_dir) / TRAINING_STATE
         if checkpoint.layout == "sglang" and state.is_file():
             shutil.copyfile(state, out / TRAINING_STATE)

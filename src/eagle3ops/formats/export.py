@@ -28,7 +28,7 @@ from eagle3ops.formats.conventions import CONVENTIONS, from_hf
 from eagle3ops.formats.specforge import WEIGHTS, CheckpointError, dtype_name, write_checkpoint
 from eagle3ops.formats.speculators import to_speculators_config, to_speculators_names
 from eagle3ops.formats.validate import EXPORT_RECORD, LAYOUT_CONVENTION, ExportReport, target_config, validate_export
-from eagle3ops.fs import atomic_dir, write_json_atomic
+from eagle3ops.fs import EXPORT, atomic_dir, write_json_atomic
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import DTYPES as TORCH_DTYPES
 from eagle3ops.modeling.target import check_model_dir, default_aux_layers
@@ -59,7 +59,7 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
     record = {"format": fmt, "source": str(drafter_dir), "source_layout": checkpoint.layout,
               "trained_aux_layers_hf": list(aux), "eagle_aux_hidden_state_layer_ids": from_hf(aux, convention),
               "convention": CONVENTIONS[convention]}
-    with atomic_dir(out_dir) as out:
+    with atomic_dir(out_dir, EXPORT) as out:  # replaces a previous export only
         if fmt == "sglang":
             write_checkpoint(cfg, tensors, out, checkpoint.rope_scaling, checkpoint.provenance)
         else:

@@ -25,10 +25,11 @@ from eagle3ops.formats.checkpoint import (
 )
 from eagle3ops.formats.conventions import CONVENTIONS, rope_settings, to_hf
 from eagle3ops.formats.specforge import CheckpointError
+from eagle3ops.fs import EXPORT
 from eagle3ops.modeling.target import TargetError, check_model_dir, default_aux_layers, text_config
 from eagle3ops.serving.vllm import cpu_head_size_problems, printed_command
 
-EXPORT_RECORD = "eagle3ops_export.json"
+EXPORT_RECORD = EXPORT.marker  # eagle3ops_export.json: what tells an export from a directory of the user's
 LAYOUT_CONVENTION = {"sglang": "sglang", "speculators": "vllm"}  # how each export layout writes layer ids
 ENGINES = {"sglang": ("sglang", "vllm"), "speculators": ("vllm",)}  # which engines load each layout
 SERVING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

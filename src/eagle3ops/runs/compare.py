@@ -16,6 +16,7 @@ from mlflow.exceptions import MlflowException
 
 from eagle3ops.config import EvalDrafter, TrainInit
 from eagle3ops.errors import InputError, UsageError
+from eagle3ops.fs import COMPARISON, atomic_dir, check_output
 from eagle3ops.reporting.summary import draft_positions, markdown_table
 from eagle3ops.runs.phases import PHASES, Phase
 from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
@@ -292,13 +293,14 @@ def plot(records: Sequence[PipelineRecord], path: Path) -> None:
 
 def write_report(records: Sequence[PipelineRecord], out_dir: Path) -> str:
     """compare.md, compare.csv (the side-by-side table, full precision), params.csv (the params that differ) and
-    compare.png; returns the markdown."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    compare.png, in `out_dir` as a whole: it replaces a previous comparison, and refuses a directory holding
+    anything else (fs.COMPARISON); returns the markdown."""
     text = markdown(records)
-    (out_dir / "compare.md").write_text(text)
-    side_by_side(records).to_csv(out_dir / "compare.csv")
-    differing_params(records).to_csv(out_dir / "params.csv")
-    plot(records, out_dir / "compare.png")
+    with atomic_dir(out_dir, COMPARISON) as out:
+        (out / "compare.md").write_text(text)
+        side_by_side(records).to_csv(out / "compare.csv")
+        differing_params(records).to_csv(out / "params.csv")
+        plot(records, out / "compare.png")
     return text
 
 
@@ -306,7 +308,9 @@ def command(store: str, experiment: str, filter_string: str, run_ids: Sequence[s
             variants: Sequence[str], last: int | None, out: Path) -> int:
     """`eagle3ops compare`: select from the tracking store `store` as select_pipelines does (`last` None: all of
     `run_ids`, else DEFAULT_LAST), write the report into `out` and print it. Raises UsageError for a filter or run
-    id that selects nothing it can read, InputError when no run matches."""
+    id that selects nothing it can read, InputError when no run matches, fs.NotOursError (before reading a run)
+    when `out` holds anything but a comparison."""
+    check_output(out, COMPARISON)
     try:
         records = select_pipelines(MlflowClient(store), experiment, filter_string, run_ids, hardware, variants,
                                    last or (None if run_ids else DEFAULT_LAST))

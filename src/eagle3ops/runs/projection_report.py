@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from eagle3ops.fs import PLOT, PROJECTION, check_output, write_text_atomic
 from eagle3ops.runs.hardware_profiles import distinct
 from eagle3ops.runs.projection import Check, Projection
 
@@ -110,3 +111,16 @@ def plot_check(projection: Projection, path: str | Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def write_report(projection: Projection, text: str, out: str | Path) -> None:
+    """`project --out FILE.md`: the report and, checked against a measured run, the plot as FILE.png. Each
+    replaces only what an earlier `project --out` wrote there (fs.PROJECTION, fs.PLOT); both are checked before
+    either is written."""
+    out = Path(out)
+    plot = out.with_suffix(".png") if projection.check is not None else None
+    check_output(out, PROJECTION)
+    if plot:
+        check_output(plot, PLOT)
+    write_text_atomic(out, text + "\n", PROJECTION)
+    if plot:
+        plot_check(projection, plot)
