@@ -1,8 +1,12 @@
 """Nothing of the user's is lost: an output at a path the user names replaces only a previous output of its own
-kind (anything else there is refused in one line, nothing changed)."""
+kind (anything else there is refused in one line, nothing changed); a full disk or a place that cannot be written
+is one line naming the path, and the train stage finds an unwritable place before it trains."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,12 +14,14 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from eagle3ops import fs
 from eagle3ops.cli import main
 from eagle3ops.data.vocab import build_vocab_map
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.resume import ResumePoint
 from helpers import isolate
 
 USERS = b"my notes, 16 B\n\n"  # what a user keeps in a file: 16 bytes
@@ -317,3 +323,183 @@ def test_reproduce_json_refused_before_the_pipeline_runs_again(tmp_path, monkeyp
     earlier = tmp_path / "earlier.json"  # what an earlier reproduce --json wrote is its to replace
     earlier.write_text(reproduce.as_json(SimpleNamespace(outputs={"data": "same"}, metrics={})))
     fs.check_output(earlier, fs.REPRODUCTION)
+
+
+# ------------------------------------------------------------------------------------------------ a full disk
+
+TORCH_SHORT_WRITE = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+SAFETENSORS_FULL = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def disk_full(message: str, start: str, then: str) -> None:
+    """`message` is "START (N MiB free); THEN" (N: the space left, which other writers on this disk move)."""
+    assert re.fullmatch(re.escape(start) + r" \(\d+ MiB free\); " + re.escape(then), message), message
+
+
+def failing_save(error: BaseException, after: int = 0):
+    """torch.save that writes `after` states whole, then part of the next before the disk fills up."""
+    real, calls = torch.save, []
+
+    def save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) <= after:
+            return real(obj, path, *args, **kwargs)
+        Path(path).write_bytes(b"PK\x03\x04 half a state")
+        raise error
+    return save
+
+
+@pytest.mark.parametrize("error", [TORCH_SHORT_WRITE, OSError(errno.ENOSPC, "No space left on device")],
+                         ids=["torch", "oserror"])
+def test_a_full_disk_while_saving_a_resume_point_keeps_the_last_one(tmp_path, monkeypatch, error):
+    point = ResumePoint(tmp_path / ".eagle3ops" / "resume" / "train@scratch-0123.pt")
+    monkeypatch.setattr(torch, "save", failing_save(error, after=1))
+    point.save({"step": 5})
+    with pytest.raises(fs.DiskFullError) as raised:
+        point.save({"step": 10})
+    disk_full(str(raised.value), f"{point.path}: disk full writing it", "the last resume point is kept: free space "
+              "and run again to resume")
+    assert point.load() == {"step": 5}
+    no_leftovers(tmp_path)
+
+
+def test_a_full_disk_while_saving_the_trained_drafter_names_its_directory(tmp_path, monkeypatch, tiny_target_dir):
+    """The train stage writes the drafter as `atomic_dir(out_dir)` + save_drafter: config.json, the safetensors
+    (safetensors' own error) and training_state.pt (torch's)."""
+    from eagle3ops.formats import specforge
+
+    out = tmp_path / "models" / "drafters" / "scratch"
+    draft = Eagle3Draft(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1,
+                                    num_key_value_heads=1, vocab_size=302, draft_vocab_size=16,
+                                    target_hidden_size=32))
+    for patch in ((specforge, "save_file", lambda *args, **kwargs: (_ for _ in ()).throw(SAFETENSORS_FULL)),
+                  (torch, "save", failing_save(TORCH_SHORT_WRITE))):
+        with monkeypatch.context() as patched:
+            patched.setattr(*patch)
+            with pytest.raises(fs.DiskFullError) as raised, fs.atomic_dir(out) as tmp:
+                save_drafter(draft, tmp, {"step": 60})
+        disk_full(str(raised.value), f"{out}: disk full writing it",
+                  "what was there before is kept: free space and run again")
+        assert not out.exists()
+        no_leftovers(tmp_path)
+
+
+# -------------------------------------------------------------------------------- the train stage, before work
+
+def write_train_params(root: Path, target: Path, **train) -> Path:
+    params = root / "params.yaml"
+    params.write_text(yaml.safe_dump({"target": {"path": str(target), "aux_layers": [1, 2, 3]},
+                                      "train": train,
+                                      "mlflow": {"system_metrics": False, "registered_model": None}}))
+    return params
+
+
+@pytest.mark.parametrize("unwritable", ["train.out_dir", "resume"])
+def test_train_refuses_a_place_it_cannot_write_before_it_loads_anything(tmp_path, monkeypatch, capsys,
+                                                                        tiny_target_dir, unwritable):
+    """A path under a regular file cannot be written, by root too (chmod does not stop root)."""
+    from eagle3ops.stages import train
+
+    isolate(monkeypatch, tmp_path)
+    monkeypatch.setattr(train, "load_inputs", lambda *args: pytest.fail("loaded before probing the outputs"))
+    users_file(tmp_path / "blocker")
+    if unwritable == "resume":
+        users_file(tmp_path / ".eagle3ops")  # a file where the resume points' directory goes
+        params, place, base = write_train_params(tmp_path, tiny_target_dir), ".eagle3ops/resume", ".eagle3ops"
+    else:
+        params = write_train_params(tmp_path, tiny_target_dir, out_dir="blocker/drafters")
+        place, base = "blocker/drafters", "blocker"
+    rc, err = cli(["train", "--init", "scratch", "--params", str(params)], capsys)
+    assert rc == 1 and err == (f"eagle3ops train@scratch: error: {place}: cannot write there "
+                               f"({tmp_path / base} is a file, not a directory)\n"), err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory: chmod stops only others")
+def test_train_refuses_a_read_only_output_directory_before_it_loads_anything(tmp_path, monkeypatch, capsys,
+                                                                           tiny_target_dir):
+    from eagle3ops.stages import train
+
+    isolate(monkeypatch, tmp_path)
+    monkeypatch.setattr(train, "load_inputs", lambda *args: pytest.fail("loaded before probing the outputs"))
+    (tmp_path / "shelf").mkdir(mode=0o555)
+    params = write_train_params(tmp_path, tiny_target_dir, out_dir="shelf/drafters")
+    rc, err = cli(["train", "--init", "scratch", "--params", str(params)], capsys)
+    assert rc == 1 and "shelf/drafters: cannot write there (Permission denied" in err, err
+
+
+def fails(code: int):
+    def call(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return call
+
+
+def test_the_probe_says_a_full_disk_and_a_read_only_place(tmp_path, monkeypatch):
+    """What root cannot make happen without mounting: the probe file failing as the kernel fails it."""
+    place = tmp_path / "out"
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fsync", fails(errno.ENOSPC))
+        with pytest.raises(fs.DiskFullError) as full:
+            fs.probe_writable(place)
+    disk_full(str(full.value), f"{place}: disk full writing a probe file", "free space and run again")
+    monkeypatch.setattr(fs.tempfile, "TemporaryFile", fails(errno.EROFS))
+    with pytest.raises(fs.NotWritableError) as read_only:
+        fs.probe_writable(place)
+    assert str(read_only.value) == f"{place}: cannot write there (Read-only file system: {tmp_path})"
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------- the train stage, disk full
+
+@pytest.fixture
+def train_workdir(tmp_path, monkeypatch, tiny_target_dir) -> Path:
+    """A prepared dataset for the tiny target and params that train on it online (the target beside the drafter:
+    no extract stage): 5 steps, a resume point after steps 2 and 4."""
+    from eagle3ops.data.prepare import write_tokenized
+    from eagle3ops.data.vocab import count_masked_tokens, write_vocab_map
+
+    isolate(monkeypatch, tmp_path)
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 30), ("eval", 2)):
+        write_tokenized([{"id": f"{split}-{i}", "input_ids": torch.randint(0, 200, (40,), generator=generator).tolist(),
+                          "loss_mask": [1] * 40} for i in range(count)], tmp_path / "data" / "prepared" / split,
+                        {"split": split})
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    write_vocab_map(tmp_path / "data" / "prepared", *build_vocab_map(count_masked_tokens([([1, 2], [1, 1])]), vocab,
+                                                                      32))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "target": {"path": str(tiny_target_dir), "aux_layers": [1, 2, 3]},
+        "train": {"hidden_states": "online", "epochs": 1, "batch_size": 2, "packed_length": 128, "ttt_steps": 2,
+                  "checkpoint_every": 2, "log_every": 2, "simulate": {"every": 0}},
+        "pipeline": {"extract": [], "hidden_states_dep": "data/prepared"},
+        "mlflow": {"system_metrics": False, "registered_model": None}}))
+    return tmp_path
+
+
+def error_line(err: str, command: str) -> str:
+    """The error line main printed (after the progress bar, which an error leaves without its newline)."""
+    assert err.count(f"eagle3ops {command}: error: ") == 1 and "Traceback" not in err, err
+    return err[err.index(f"eagle3ops {command}: error: "):].rstrip("\n")
+
+
+@pytest.mark.heavy  # two runs of the train stage, in this process (about 30 s)
+def test_train_stage_disk_full_at_a_resume_point_then_at_the_drafter(train_workdir, monkeypatch, capsys):
+    with monkeypatch.context() as full:
+        full.setattr(torch, "save", failing_save(TORCH_SHORT_WRITE, after=1))  # the 2nd resume point fills it
+        rc, err = cli(["train", "--init", "scratch"], capsys)
+    point = next(Path(".eagle3ops/resume").glob("train@scratch-*.pt"))
+    assert rc == 1
+    disk_full(error_line(err, "train@scratch"), f"eagle3ops train@scratch: error: {point}: disk full writing it",
+              "the last resume point is kept: free space and run again to resume")
+    assert ResumePoint(point).load()["step"] == 2
+    no_leftovers(train_workdir)
+
+    from eagle3ops.formats import specforge  # room again, until the drafter is written
+
+    monkeypatch.setattr(specforge, "save_file", lambda *args, **kwargs: (_ for _ in ()).throw(SAFETENSORS_FULL))
+    rc, err = cli(["train", "--init", "scratch"], capsys)
+    out = Path("models") / "drafters" / "scratch"
+    assert rc == 1
+    disk_full(error_line(err, "train@scratch"), f"eagle3ops train@scratch: error: {out}: disk full writing it",
+              "what was there before is kept: free space and run again")
+    assert ResumePoint(point).load()["step"] == 4 and not out.exists()  # resumed at 2; the resume point at 4 is kept
+    no_leftovers(train_workdir)

@@ -1,10 +1,12 @@
-"""Writes that never leave half a result behind and never replace what is not theirs.
+"""Writes that never leave half a result behind, never replace what is not theirs, and say when the disk is full.
 
 A crash leaves the previous output or nothing (atomic_dir, atomic_path and the write_*_atomic functions). An output
 at a path the user names on the command line (OUTPUTS: export OUT, compare --out, check-compat --json, ...)
 replaces only a previous output of its own kind, recognised by the marker or the layout its writer leaves; anything
 else there is refused in one line naming what is there, and nothing is written. The outputs a DVC stage writes at
-its own paths (dvc.yaml outs: DVC owns them) are replaced whatever they hold.
+its own paths (dvc.yaml outs: DVC owns them) are replaced whatever they hold. A write that finds the disk full is one
+line naming the path and the space left (DiskFullError); probe_writable checks a stage's output places before it
+starts working.
 """
 from __future__ import annotations
 
@@ -21,10 +23,18 @@ from pathlib import Path
 from eagle3ops.errors import InputError
 
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+# How a full disk reads: Python's OSError, torch.save's writer ("unexpected pos N vs M" when a write came up
+# short, "file write failed"), safetensors' ("I/O error: No space left on device (os error 28)").
+DISK_FULL_TEXTS = ("No space left on device", "(os error 28)", "unexpected pos", "file write failed")
+KEPT = "what was there before is kept: free space and run again"
 
 
 class NotWritableError(InputError):
     """An output that cannot be written where it was asked for."""
+
+
+class DiskFullError(InputError):
+    """No space left for an output; what was there before it is kept."""
 
 
 class NotOursError(InputError):
@@ -127,7 +137,7 @@ def check_output(path: str | Path, kind: Output) -> None:
                        f"{kind.option} or remove it")
 
 
-# ---------------------------------------------------------------------------------------------- unwritable places
+# ---------------------------------------------------------------------------------- unwritable places, a full disk
 
 @contextmanager
 def _writable(path: Path) -> Iterator[None]:
@@ -138,6 +148,54 @@ def _writable(path: Path) -> Iterator[None]:
         if err.errno not in NOT_WRITABLE:
             raise
         raise NotWritableError(f"{path}: cannot write there ({err.strerror}: {err.filename or path.parent})") from None
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """A write that failed for lack of space, as Python, torch.save or safetensors report it."""
+    if isinstance(err, OSError):
+        return err.errno == errno.ENOSPC
+    return isinstance(err, Exception) and not isinstance(err, InputError) and any(
+        text in str(err) for text in DISK_FULL_TEXTS)
+
+
+def _existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_mib(path: str | Path) -> float:
+    """The space left to unprivileged writes on the disk that holds `path` (or would)."""
+    return shutil.disk_usage(_existing(Path(path))).free / 2**20
+
+
+def disk_full(path: str | Path, what: str = "it", then: str = KEPT) -> DiskFullError:
+    """The error for a write of `what` at `path` that ran out of space, with the space left once the partial
+    write is removed: "PATH: disk full writing WHAT (N MiB free); THEN"."""
+    return DiskFullError(f"{path}: disk full writing {what} ({free_mib(path):.0f} MiB free); {then}")
+
+
+def probe_writable(*places: str | Path) -> None:
+    """Before a stage works: each directory in `places` (or, not there yet, its nearest existing ancestor) takes a
+    new file. A read-only or forbidden place (NotWritableError), a path under a file (NotWritableError) or a full
+    disk (DiskFullError) is one line naming the place, before any work is lost."""
+    for place in map(Path, places):
+        base = _existing(place)
+        if not base.is_dir():
+            raise NotWritableError(f"{place}: cannot write there ({base} is a file, not a directory)")
+        try:
+            with tempfile.TemporaryFile(dir=base, prefix=".eagle3ops-probe.") as probe:
+                probe.write(b"\0" * 4096)
+                probe.flush()
+                os.fsync(probe.fileno())
+        except OSError as err:
+            if err.errno in NOT_WRITABLE:
+                raise NotWritableError(f"{place}: cannot write there ({err.strerror}: {base})") from None
+            if is_disk_full(err):
+                raise disk_full(place, "a probe file", "free space and run again") from None
+            raise
 
 
 # ------------------------------------------------------------------------------------------------- atomic writes
@@ -160,7 +218,8 @@ def _as_created(path: Path, mode: int) -> None:
 
 @contextmanager
 def atomic_dir(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `path`, on error it is removed. With `kind` (a path the user named), what is at `path` must be free for it or a
+    """Yield a temporary sibling directory; on success it replaces `path`, on error it is removed (a full disk is
+    a DiskFullError naming `path`). With `kind` (a path the user named), what is at `path` must be free for it or a
     previous output of that kind (check_output); without, whatever is there is replaced (a stage's own output)."""
     path = Path(path)
     if kind is not None:
@@ -176,14 +235,20 @@ def atomic_dir(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
         if path.exists():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         tmp.rename(path)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(err):
+            raise disk_full(path) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextmanager
-def atomic_path(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling file name for a writer that takes a path; on success the file replaces `path`, on
-    error it is removed. `kind` as for atomic_dir."""
+def atomic_path(path: str | Path, kind: Output | None = None, then: str = KEPT) -> Iterator[Path]:
+    """Yield a temporary sibling file name for a writer that takes a path (torch.save); on success the file
+    replaces `path`, on error it is removed (a full disk is a DiskFullError naming `path`, ending with `then`).
+    `kind` as for atomic_dir."""
     path = Path(path)
     if kind is not None:
         check_output(path, kind)
@@ -197,8 +262,10 @@ def atomic_path(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
         if kind is not None:  # again, as atomic_dir does
             check_output(path, kind)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(err):
+            raise disk_full(path, then=then) from None
         raise
 
 

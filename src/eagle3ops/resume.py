@@ -3,18 +3,18 @@
 DVC removes a stage's outputs before it runs the stage, so the state lives outside them, under
 `.eagle3ops/resume/`, in a file named by the stage and a hash of everything that determines its result (the
 resolved params and the md5s of its inputs): a later run with other inputs never picks it up. It is written
-through a temporary file and an atomic rename, so a kill leaves the previous state whole, and removed once the
-stage has written its outputs.
+through a temporary file and an atomic rename, so a kill or a full disk leaves the previous state whole, and removed
+once the stage has written its outputs.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from eagle3ops.fs import atomic_path
 
 RESUME_DIR = Path(".eagle3ops") / "resume"
 
@@ -35,15 +35,10 @@ class ResumePoint:
             return None
 
     def save(self, state: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        """Replace the saved state with `state`; a full disk is one line (fs.DiskFullError), the last state kept."""
+        kept = "the last resume point is kept" if self.path.is_file() else "no resume point was saved yet"
+        with atomic_path(self.path, then=f"{kept}: free space and run again to resume") as tmp:
             torch.save(state, tmp)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)

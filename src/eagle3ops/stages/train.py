@@ -16,9 +16,9 @@ import pandas as pd
 from eagle3ops.config import Config
 from eagle3ops.errors import InputError
 from eagle3ops.formats.specforge import save_drafter
-from eagle3ops.fs import atomic_dir, write_json_atomic
+from eagle3ops.fs import atomic_dir, probe_writable, write_json_atomic
 from eagle3ops.modeling.target import resolve_device
-from eagle3ops.resume import resume_point
+from eagle3ops.resume import RESUME_DIR, resume_point
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, destination, record
 from eagle3ops.tracking.run import stage_run
@@ -30,6 +30,8 @@ from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
 
 
 def run(cfg: Config, init: str) -> None:
+    if distributed.launched_world().main:  # rank 0 writes: a place it cannot write fails before any work
+        probe_writable(cfg.train.out_dir, RESUME_DIR)
     with distributed.process_group(resolve_device(cfg.target.device)) as (world, device):
         _run(cfg, init, world, device)
 
