@@ -10,7 +10,6 @@ directory that looks complete.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -25,14 +24,10 @@ import torch
 from safetensors import safe_open
 
 from eagle3ops.errors import InputError
-from eagle3ops.fs import write_json_atomic
+from eagle3ops.fs import disk_full, is_disk_full, write_json_atomic
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
-
-
-class DiskFullError(InputError):
-    """No space left for a shard; what was complete is kept for a resumed run."""
 
 
 def sha256_file(path: Path) -> str:
@@ -166,14 +161,12 @@ class ShardWriter:
         incomplete = self._tmp / f".{name}.tmp"
         try:
             digest = write_safetensors(incomplete, columns, {"sample_ids": json.dumps(ids)})
-        except OSError as err:
+        except (OSError, RuntimeError) as err:
             incomplete.unlink(missing_ok=True)
-            if err.errno != errno.ENOSPC:
+            if not is_disk_full(err):
                 raise
-            free = shutil.disk_usage(self._tmp).free / 2**20
-            raise DiskFullError(f"{self._tmp}: disk full writing {name} ({free:.0f} MiB free); the "
-                                f"{len(self._shards)} complete shards are kept: free space and run again to resume"
-                                ) from None
+            raise disk_full(self._tmp, name, f"the {len(self._shards)} complete shards are kept: free space and run "
+                                             f"again to resume") from None
         os.replace(incomplete, self._tmp / name)
         self._shards.append({"file": name, "sha256": digest, "samples": len(lengths), "tokens": int(sum(lengths)),
                              **({"skipped": skipped} if skipped else {})})
