@@ -261,9 +261,10 @@ def test_a_malformed_uri_in_the_params_or_on_the_command_line_is_named_so(monkey
     assert main(["sync"]) == 1
     assert capsys.readouterr().err == (f"eagle3ops sync: error: params mlflow.tracking_uri 'ftp://x': ftp:// is not a "
                                        f"store MLflow records runs in; supported: {SUPPORTED}\n")
-    assert main(["sync", "--tracking-uri", "ftp://u:secret@x"]) == 1
-    assert capsys.readouterr().err == (f"eagle3ops sync: error: --tracking-uri 'ftp://u:***@x': ftp:// is not a store "
-                                       f"MLflow records runs in; supported: {SUPPORTED}\n")
+    for command in (["sync"], ["compare", "--runs", "a", "b"], ["project", "--run", "a", "--samples", "10", "--to", "h200"]):
+        assert main([*command[:1], "--tracking-uri", "ftp://u:secret@x", *command[1:]]) == 1, command
+        assert capsys.readouterr().err == (f"eagle3ops {command[0]}: error: --tracking-uri 'ftp://u:***@x': ftp:// is "
+                                           f"not a store MLflow records runs in; supported: {SUPPORTED}\n")
 
 
 @pytest.mark.parametrize("uri", ["sqlite:///mlflow.db", "sqlite:////srv/mlflow.db", "http://127.0.0.1:5000",

@@ -71,9 +71,11 @@ class Command:
 def _store_uri(args: argparse.Namespace, cfg: Config | None = None) -> str:
     """The tracking store: --tracking-uri, else the one the stages use ($MLFLOW_TRACKING_URI, the params'
     mlflow.tracking_uri, mlflow.db in the repository)."""
-    from eagle3ops.tracking.store import tracking_uri
+    from eagle3ops.tracking.store import check_uri, tracking_uri
 
-    return getattr(args, "tracking_uri", None) or tracking_uri(_params_or_defaults(args) if cfg is None else cfg)
+    if getattr(args, "tracking_uri", None):
+        return check_uri(args.tracking_uri, "--tracking-uri")
+    return tracking_uri(_params_or_defaults(args) if cfg is None else cfg)
 
 
 def _params_or_defaults(args: argparse.Namespace) -> Config:
@@ -204,10 +206,8 @@ def _report(args) -> int:
 def _sync(args) -> int:
     """Exit 1 when a damaged entry was set aside (each named on stderr as it was); the others are uploaded."""
     from eagle3ops.tracking.outbox import OUTBOX_DIR, REJECTED_DIR, pending, sync
-    from eagle3ops.tracking.store import check_uri, scrub
+    from eagle3ops.tracking.store import scrub
 
-    if args.tracking_uri:
-        check_uri(args.tracking_uri, "--tracking-uri")
     uri = _store_uri(args)
     synced = sync(uri, Path.cwd())
     line = f"uploaded {len(synced.uploaded)} run(s) to {scrub(uri)}; {len(pending(Path.cwd()))} left in the outbox"
