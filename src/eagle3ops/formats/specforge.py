@@ -191,10 +191,26 @@ def load_drafter(directory: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
 
 
 def new_with_embedding(cfg: DraftConfig, embedding: torch.Tensor, directory: str | Path) -> Eagle3Draft:
-    """An Eagle3Draft of `cfg` holding the target's embedding [V, H], which must have the drafter's shape."""
+    """An Eagle3Draft of `cfg` holding the target's embedding [V, H], which must have the drafter's shape, its other
+    tensors uninitialised host memory for a checkpoint to fill (load_into and read_drafter refuse a checkpoint that
+    lacks any tensor but the embedding): built on the meta device, so no random initialisation runs for nothing."""
     if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise CheckpointError(f"{directory}: drafter expects a target embedding of {(cfg.vocab_size, cfg.hidden_size)}, "
                               f"the target has {tuple(embedding.shape)}")
-    draft = Eagle3Draft(cfg)
-    draft.embed_tokens.weight.data.copy_(embedding)
+    with torch.device("meta"):
+        draft = Eagle3Draft(cfg)
+    draft.to_empty(device="cpu")
+    use_embedding(draft, embedding)
     return draft
+
+
+def use_embedding(draft: Eagle3Draft, embedding: torch.Tensor) -> None:
+    """The target's embedding [V, H] as the drafter's frozen one, in place of the placeholder it was built with: the
+    tensor itself where it has the drafter's dtype (frozen, it is only read), else converted into the placeholder.
+    Moved to the drafter's device first, so that a GPU converts it, not the host."""
+    weight = draft.embed_tokens.weight
+    moved = embedding.detach().to(weight.device)
+    if moved.dtype == weight.dtype:
+        draft.embed_tokens.weight = torch.nn.Parameter(moved, requires_grad=False)
+    else:  # into the placeholder: a new tensor on the host would fault its pages in, on top of the placeholder's
+        weight.data.copy_(moved)

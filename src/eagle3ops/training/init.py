@@ -29,9 +29,9 @@ from eagle3ops.config import DraftShapeConfig, TrainConfig
 from eagle3ops.data.shards import sha256_file
 from eagle3ops.data.vocab import draft_to_target_ids
 from eagle3ops.errors import InputError
-from eagle3ops.formats.checkpoint import detect_layout, read_drafter, vocab_map_problems
+from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.formats.conventions import rope_settings
-from eagle3ops.formats.specforge import TRAINING_STATE, WEIGHTS, CheckpointError, load_into, read_config
+from eagle3ops.formats.specforge import TRAINING_STATE, CheckpointError, use_embedding
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.training.compat import CompatReport, IncompatibleDrafter, check_compat
 
@@ -88,7 +88,7 @@ def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch
     layers = next(f for f in report.findings if f.check == "layers")
     if layers.level != "ok":
         raise CheckpointError(f"{source}: {layers.message}")
-    draft = load_source_drafter(source, embedding)
+    draft = load_any_drafter(source, embedding)
     sha = drafter_sha256(source)
     chosen = vocab if vocab != "auto" else "remap" if report.verdict == "needs_new_head" else "keep"
     if chosen == "keep":
@@ -100,47 +100,6 @@ def load_warm_start(source: str | Path, target_dir: str | Path, embedding: torch
                          f"they cannot be continued when the drafter is re-headed (train.warm_start_vocab: {why}); "
                          f"set train.warm_start_vocab: keep to keep its head and moments")
     return WarmStart(draft, report, sha, "remap", remapped_rows=rehead(draft, *new_vocab, lm_head))
-
-
-def load_source_drafter(source: str | Path, embedding: torch.Tensor) -> Eagle3Draft:
-    """The drafter formats.checkpoint.load_any_drafter loads from `source` (any layout, the same checks), with the
-    target's embedding [V, H], built without a random initialisation: on the meta device, then given host memory that
-    the checkpoint fills (load_into and read_drafter refuse a checkpoint that lacks any tensor but the embedding)."""
-    if detect_layout(source) == "sglang":
-        draft = _unfilled(read_config(source), embedding, source)
-        load_into(draft, source)
-        problems = vocab_map_problems(draft.d2t, draft.t2d)
-        if problems:
-            raise CheckpointError(f"{Path(source) / WEIGHTS}: inconsistent vocabulary map: {'; '.join(problems)}")
-        return draft
-    checkpoint = read_drafter(source)
-    draft = _unfilled(checkpoint.cfg, embedding, source)
-    draft.load_state_dict(checkpoint.weights, strict=False)  # read_drafter checked every name and shape
-    return draft
-
-
-def _unfilled(cfg: DraftConfig, embedding: torch.Tensor, source: str | Path) -> Eagle3Draft:
-    """A drafter of `cfg` on the target's embedding, its other tensors uninitialised host memory for a checkpoint."""
-    if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise CheckpointError(f"{source}: drafter expects a target embedding of {(cfg.vocab_size, cfg.hidden_size)}, "
-                              f"the target has {tuple(embedding.shape)}")
-    with torch.device("meta"):
-        draft = Eagle3Draft(cfg)
-    draft.to_empty(device="cpu")
-    use_embedding(draft, embedding)
-    return draft
-
-
-def use_embedding(draft: Eagle3Draft, embedding: torch.Tensor) -> None:
-    """The target's embedding [V, H] as the drafter's frozen one, in place of the placeholder it was built with: the
-    tensor itself where it has the drafter's dtype (frozen, it is only read), else converted into the placeholder.
-    Moved to the drafter's device first, so that a GPU converts it, not the host."""
-    weight = draft.embed_tokens.weight
-    moved = embedding.detach().to(weight.device)
-    if moved.dtype == weight.dtype:
-        draft.embed_tokens.weight = torch.nn.Parameter(moved, requires_grad=False)
-    else:  # into the placeholder: a new tensor on the host would fault its pages in, on top of the placeholder's
-        weight.data.copy_(moved)
 
 
 def _optimizer_state(source: str | Path) -> dict:
