@@ -57,6 +57,7 @@ PATHS_REFUSED_OUTSIDE = {
     "eval.sets[0].path": "read by eval: inside eval.sets_dir, the directory dvc.yaml tracks for it",
     "pipeline.hidden_states_dep": "train's dependency: extract.out_dir (prepare.out_dir online)",
     "target.chat_template": "a template file is read only inside the project (data/chat.py)",
+    "pipeline.chat_template_dep": "the stages' dependency: target.chat_template's file (or the shipped templates)",
 }
 PATHS_ACCEPTED_ANYWHERE = {
     "target.path": "the target is outside DVC by design (hundreds of GB): target.lineage_dep, id and revision are "
@@ -259,3 +260,20 @@ def test_the_pipeline_key_that_disagrees_is_named(tmp_path):
                                           r"extract\.out_dir \('data/features'\)"):
         load_config(params, ["pipeline.hidden_states_dep=data/features/../prepared"])
     load_config(params, ["pipeline.hidden_states_dep=data/features/"])  # the same directory, written otherwise
+
+
+def test_a_template_file_is_a_dependency_of_the_stages_that_render_conversations(tmp_path):
+    """dvc.yaml has generate, prepare, train and eval depend on pipeline.chat_template_dep: it must be the template
+    file where target.chat_template names one, so that editing the file re-runs them."""
+    params = tmp_path / "params.yaml"
+    params.write_text("seed: 0\n")
+    with pytest.raises(ConfigError, match=r"key 'pipeline\.chat_template_dep': 'src/eagle3ops/data/templates' is not "
+                                          r"'templates/mine\.jinja'"):
+        load_config(params, ["target.chat_template=templates/mine.jinja"])
+    load_config(params, ["target.chat_template=templates/mine.jinja", "pipeline.chat_template_dep=templates/mine.jinja"])
+    load_config(params, ["target.chat_template=qwen3"])  # a shipped one: the shipped templates
+    with pytest.raises(ConfigError, match=r"key 'pipeline\.chat_template_dep'"):
+        load_config(params, ["pipeline.chat_template_dep=templates/mine.jinja"])
+    stages = yaml.safe_load((Path(__file__).parents[1] / "dvc.yaml").read_text())["stages"]
+    for stage in (stages["generate"], stages["prepare"], stages["train"]["do"], stages["eval"]["do"]):
+        assert "${pipeline.chat_template_dep}" in stage["deps"]

@@ -58,6 +58,14 @@ ExportFormat = choices("ExportFormat", "sglang", "speculators")
 ExportDrafter = choices("ExportDrafter", "champion", *(str(init) for init in TrainInit))
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # from_pretrained's placement strategies
 
+TEMPLATES_DIR = "src/eagle3ops/data/templates"  # the shipped chat templates (data/chat.py)
+
+
+def _is_template_file(chat_template: str) -> bool:
+    """target.chat_template names a .jinja file of the project, not a shipped template (llama-3, qwen3, ...)."""
+    return chat_template.endswith(".jinja") or "/" in chat_template
+
+
 class Section:
     """A params section (a dataclass), with the checks of its values."""
 
@@ -304,7 +312,7 @@ class TargetConfig(Section):
         elif self.aux_layers is not None and min(self.aux_layers) < 0:
             yield "aux_layers", f"hidden-state indices are at least 0 (0 = the embeddings), got {self.aux_layers}"
         template = self.chat_template
-        if template is not None and (template.endswith(".jinja") or "/" in template) and not _inside_project(template):
+        if template is not None and _is_template_file(template) and not _inside_project(template):
             yield "chat_template", (f"{template!r}: a template file must be a path inside the project (relative, "
                                     f"without '..'), the only kind data/chat.py reads")
         placement = self.device_map
@@ -571,11 +579,13 @@ class ExportConfig(Section):
 
 @dataclass
 class PipelineConfig(Section):
-    """dvc.yaml's wiring for train.hidden_states, which its templating cannot derive from one key (Config.check
-    holds them together): the extract stage, once or not at all, and the directory train depends on for its
-    hidden states."""
+    """dvc.yaml's wiring that its templating cannot derive from one key (Config.check holds them together): for
+    train.hidden_states, the extract stage, once or not at all, and the directory train depends on for its hidden
+    states; the file of target.chat_template, which the stages rendering conversations depend on."""
     extract: list[str] = field(default_factory=lambda: ["offline"])  # online: []
     hidden_states_dep: str = "data/features"  # extract.out_dir; online: prepare.out_dir
+    # target.chat_template where it is a .jinja file of the project; otherwise the shipped templates
+    chat_template_dep: str = TEMPLATES_DIR
 
 
 @dataclass
@@ -640,6 +650,14 @@ class Config(Section):
             yield "seed", (f"must be in [0, 2**32), got {self.seed}: the vLLM servers the stages start seed numpy "
                            f"with it, which takes only those")
         yield from _at_least(self, 1, "threads", null="torch's default")
+        template = self.target.chat_template
+        template_dep = template if template is not None and _is_template_file(template) else TEMPLATES_DIR
+        if not _same_path(self.pipeline.chat_template_dep, template_dep):
+            yield "pipeline.chat_template_dep", (
+                f"{self.pipeline.chat_template_dep!r} is not {template_dep!r}: dvc.yaml has the stages that render "
+                f"conversations depend on it, so that editing " + (f"target.chat_template's file {template!r}"
+                                                                   if template_dep != TEMPLATES_DIR
+                                                                   else "the shipped templates") + " re-runs them")
         online = self.train.hidden_states == HiddenStates.online
         wiring = ([], self.prepare.out_dir) if online else (["offline"], self.extract.out_dir)
         extract_agrees = list(self.pipeline.extract) == wiring[0]
