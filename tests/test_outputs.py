@@ -503,3 +503,12 @@ def test_train_stage_disk_full_at_a_resume_point_then_at_the_drafter(train_workd
               "what was there before is kept: free space and run again")
     assert ResumePoint(point).load()["step"] == 4 and not out.exists()  # resumed at 2; the resume point at 4 is kept
     no_leftovers(train_workdir)
+
+
+def test_a_full_disk_in_a_nested_write_names_the_output_not_its_temporary_directory(tmp_path):
+    """export writes each format with its own atomic write inside the export's: the message names the export."""
+    out = tmp_path / "export"
+    with pytest.raises(fs.DiskFullError) as raised, fs.atomic_dir(out) as tmp, fs.atomic_dir(tmp / "sglang"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(raised.value).startswith(f"{out}: disk full writing it (") and ".partial" not in str(raised.value)
+    assert not out.exists() and list(tmp_path.iterdir()) == []

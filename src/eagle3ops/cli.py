@@ -383,6 +383,10 @@ def _check_compat(args) -> int:
     from eagle3ops.training.compat import EXIT_CODES as VERDICT_CODES
     from eagle3ops.training.compat import check_compat
 
+    if args.json:  # refused before the work, not after it
+        from eagle3ops.fs import COMPAT_REPORT, check_output
+
+        check_output(args.json, COMPAT_REPORT)
     counts = None
     if args.data and Path(args.data).is_dir():
         counts = masked_token_counts(args.data)

@@ -511,15 +511,16 @@ class EvalConfig(Section):
     batch_size: int = 1  # hf backend: prompts decoded together
 
     def check(self) -> Iterator[tuple[str, str]]:
-        try:  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method; and at sampled_temperature
-            sampled_settings(SpecSettings.from_config(self), self.sampled_temperature)
-        except DecodingError as err:
-            yield err.key, err.reason
+        if self.sampled_temperature is not None and self.sampled_temperature <= 0:
+            yield "sampled_temperature", "must be above 0 (null = no second measurement; eval.temperature is the first)"
+        else:
+            try:  # k, topk, num_draft_tokens, temperature, top_p, draft_sample_method; and at sampled_temperature
+                sampled_settings(SpecSettings.from_config(self), self.sampled_temperature)
+            except DecodingError as err:
+                yield err.key, err.reason
         if self.batch_size < 1:
             yield "batch_size", "must be at least 1"
         yield from _at_least(self, 1, "max_new_tokens")
-        if self.sampled_temperature is not None and self.sampled_temperature <= 0:
-            yield "sampled_temperature", "must be above 0 (null = no second measurement; eval.temperature is the first)"
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
             yield "server_url", f"{self.server_url!r} is not an http(s) base URL (http://host:port)"
         if self.backend == EvalBackend.sglang and self.server_url is None:

@@ -237,7 +237,8 @@ def atomic_dir(path: str | Path, kind: Output | None = None) -> Iterator[Path]:
         tmp.rename(path)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(err):
+        # a nested atomic write's DiskFullError names a place inside `tmp`, gone now: `path` instead
+        if is_disk_full(err) or (isinstance(err, DiskFullError) and str(tmp) in str(err)):
             raise disk_full(path) from None
         raise
     finally:

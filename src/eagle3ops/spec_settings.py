@@ -101,4 +101,6 @@ def sampled_settings(settings: SpecSettings, temperature: float | None) -> SpecS
     try:
         return replace(settings, temperature=temperature)
     except DecodingError as err:
-        raise DecodingError("sampled_temperature", f"at {temperature}: {err.key}: {err.reason}") from None
+        raise DecodingError("sampled_temperature", f"at {temperature}: {err.key}: {err.reason} (or set "
+                                                   f"eval.sampled_temperature: null to measure at eval.temperature "
+                                                   f"alone)") from None

@@ -427,6 +427,7 @@ def target_distribution(final_hidden, lm_head_weight, t2d) -> tuple[torch.Tensor
     full = hidden @ weight.T  # [B, T, V]
     in_draft = t2d[full.argmax(-1)]  # [B, T]
     full_lse = torch.stack([chunk.float().logsumexp(-1) for chunk in full.split(16384, dim=-1)]).logsumexp(0)
+    del full  # [B, T, V]: the largest tensor of the step, not kept beside the draft logits
     draft_logits = (hidden @ weight[t2d].T).float()  # [B, T, Vd]
     draft_lse = draft_logits.logsumexp(-1)  # [B, T]
     probs = (draft_logits - draft_lse[..., None]).exp()
@@ -473,15 +474,16 @@ def step_loss(logits: torch.Tensor, target_p: torch.Tensor, draft_mass: torch.Te
     lse = torch.logsumexp(z, dim=-1)  # [B, T]
     alpha = torch.minimum((z - lse[..., None]).exp(), target_p * draft_mass[..., None]).sum(-1)  # [B, T]
     alpha_sum = (alpha * counted).sum()
-    if kind == "lk_alpha":
+    kl = lse * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
+    if kind == "kl":
+        per_position = kl
+    elif kind == "lk_alpha":
         per_position = -alpha.clamp(min=1e-6).log()
+    elif kind == "lk_lambda":
+        w = kl_scale * torch.exp(-kl_decay * alpha_sum.detach() / counted.sum().clamp(min=1))
+        per_position = w * kl + (1 - w) * (1 - alpha)
     else:
-        kl = lse * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
-        if kind == "kl":
-            per_position = kl
-        else:
-            w = kl_scale * torch.exp(-kl_decay * alpha_sum.detach() / counted.sum().clamp(min=1))
-            per_position = w * kl + (1 - w) * (1 - alpha)
+        raise ValueError(f"step_loss: kind {kind!r} is not one of {STEP_LOSSES}")
     correct = (logits.argmax(-1) == target_top) & counted
     return (per_position * counted).sum(), correct.sum(), alpha_sum.detach()
 

@@ -70,7 +70,8 @@ def run(cfg: Config, drafter: str) -> None:
                                            reference=False)
             fields["sampled"] = sampled_fields(sampled.temperature, {
                 **acceptance_fields(again.overall, again.per_set, {}, again.per_prompt, cfg.seed),
-                "emitted_tokens": again.spec_tokens, "spec_tokens_per_s": round(again.spec_tokens / again.spec_s, 1)})
+                "emitted_tokens": again.spec_tokens,
+                "spec_tokens_per_s": round(again.spec_tokens / max(again.spec_s, 1e-9), 1)})
         size = model_size(target)
         if cfg.eval.engine:  # at eval.temperature only: the sampled measurement is the decoder's
             del target, draft  # vLLM loads the target again, in its own process: leave it the device's memory
@@ -95,8 +96,8 @@ def run(cfg: Config, drafter: str) -> None:
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
             **({"lossless": not mismatched, "mismatched_prompts": len(mismatched)} if settings.greedy else {}),
             "draft_vocab_coverage": round(measured.draft_vocab_coverage, 4),  # target tokens it can draft at all
-            "spec_tokens_per_s": round(measured.spec_tokens / measured.spec_s, 1),
-            "target_tokens_per_s": round(measured.plain_tokens / measured.plain_s, 1),
+            "spec_tokens_per_s": round(measured.spec_tokens / max(measured.spec_s, 1e-9), 1),
+            "target_tokens_per_s": round(measured.plain_tokens / max(measured.plain_s, 1e-9), 1),
         })
 
 

@@ -167,8 +167,6 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         optimizers.load_state_dict(state.optimizer, state.scheduler)
         torch.set_rng_state(state.torch_rng)
         step, tokens, history, row_tokens = state.step, state.tokens, state.history, state.row_tokens
-    # a resume point saved before row_tokens was kept: the padding of this process's rows alone
-    padded_from = tokens if state is not None and not state.row_tokens else 0
 
     def now(with_weights: bool) -> TrainState:
         return TrainState(step, tokens, *optimizers.state_dict(), torch.get_rng_state(), history,
@@ -226,7 +224,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         hooks.log(step, final)
     final.update({key: value for row in history for key, value in row.items() if key.startswith("sim/")})
     weights.restore()
-    padding = 1 - (tokens - padded_from) / row_tokens if row_tokens else 0.0
+    padding = 1 - tokens / row_tokens if row_tokens else 0.0
     return (TrainResult(step, tokens, wall, final, history, resumed_at, probe_s, padding, first_step_s),
             now(with_weights=False))
 
