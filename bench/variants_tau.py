@@ -1,7 +1,8 @@
 """Acceptance length of the drafter-training variants on the embedded default, over several seeds.
 
 One factor at a time against the former defaults (EAGLE-3, every TTT step at the sample's positions, AdamW; a warm
-start keeping its head), then the defaults params.yaml sets now. Every variant trains at the same budget
+start keeping its head), then the defaults params.yaml sets now, and the training objectives (train.loss) on them.
+tau is measured at eval.temperature (0, greedy) and at eval.sampled_temperature (1.0), each drafter at both. Every variant trains at the same budget
 (params.yaml's train section, `--set seed=S`) and is measured by the eval stage on the benchmark sets; every command
 is the project's own, as a one-off run (`--set`), so the pipeline's outputs stay as they are. Prints a table (tau
 per seed, mean and spread, the change against the first row) and writes bench/results/variants-tau-zoo.json. Each
@@ -40,7 +41,12 @@ ROWS = {
     "remap": ("warm start, re-headed", "warm_start", {**BEFORE, "train.warm_start_vocab": "remap"}),
     "defaults-scratch": ("the defaults: scratch", "scratch", None),
     "defaults-warm": ("the defaults: warm start", "warm_start", None),
+    "lk-alpha": ("the defaults, LK loss alpha (-log alpha)", "scratch", {"train.loss": "lk_alpha"}),
+    "lk-lambda": ("the defaults, LK loss lambda (w * KL + (1 - w) * (1 - alpha))", "scratch",
+                  {"train.loss": "lk_lambda"}),
 }
+# the decoder measures; vLLM's agreement with it is the eval stage's own check (eval.engine), not this table's
+EVAL = ["--set", "eval.engine=null"]
 
 
 def measure(key: str, seed: int) -> dict:
@@ -50,7 +56,7 @@ def measure(key: str, seed: int) -> dict:
     options = [arg for value in sets for arg in ("--set", value)]
     eagle3ops("train", "--init", init, *options)
     train = json.loads((ONE_OFF / f"train-{init}.json").read_text())
-    eagle3ops("eval", "--drafter", init, *options)
+    eagle3ops("eval", "--drafter", init, *options, *EVAL)
     evaluated = json.loads((ONE_OFF / f"eval-{init}.json").read_text())
     drafter = WORK / f"drafters-{key}-{seed}" / init
     for fmt in ("sglang", "speculators"):  # written only when validate-export passes: it raises otherwise
@@ -58,32 +64,46 @@ def measure(key: str, seed: int) -> dict:
                   "models/zoo/successor")
     return {"row": key, "seed": seed, "tau": evaluated["tau"], "tau_ci": [evaluated["tau_ci_low"],
                                                                          evaluated["tau_ci_high"]],
-            "eval_loss": train["eval/loss"], "acc_0": train["eval/acc_0"], "lossless": evaluated["lossless"],
-            "exports_valid": True}
+            **_sampled(evaluated), "eval_loss": train["eval/loss"], "acc_0": train["eval/acc_0"],
+            "alpha_0": train.get("eval/alpha_0"), "lossless": evaluated["lossless"], "exports_valid": True}
+
+
+def _sampled(evaluated: dict) -> dict:
+    """tau at eval.sampled_temperature, where measured."""
+    sampled = evaluated.get("sampled")
+    if not sampled:
+        return {}
+    return {"sampled_temperature": sampled["temperature"], "tau_sampled": sampled["tau"],
+            "tau_sampled_ci": [sampled["tau_ci_low"], sampled["tau_ci_high"]]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
-                        help="the rows to measure; the others are kept from --out")
+                        help="the rows to measure at --seeds; every other row and seed is kept from --out")
     parser.add_argument("--out", default="bench/results/variants-tau-zoo.json")
     args = parser.parse_args()
     if not Path("data/features/train/manifest.json").is_file():
         sys.exit("no data/features: run `dvc repro extract@offline` first")
     out = Path(args.out)
-    kept = [run for run in json.loads(out.read_text())["runs"] if run["row"] not in args.rows] if out.is_file() else []
+    measuring = {(key, seed) for key in args.rows for seed in args.seeds}
+    kept = [run for run in json.loads(out.read_text())["runs"]
+            if (run["row"], run["seed"]) not in measuring] if out.is_file() else []
     for key in args.rows:
         for seed in args.seeds:
             kept.append(measure(key, seed))
-            print(f"{key} seed {seed}: tau {kept[-1]['tau']:.3f}", flush=True)
+            print(f"{key} seed {seed}: tau {kept[-1]['tau']:.3f}, sampled {kept[-1].get('tau_sampled')}", flush=True)
             summary = write(out, kept)  # after every run: an interrupted bench keeps what it measured
     first = next(iter(summary.values()))["tau_mean"]
-    print("\n| variant | drafter | tau per seed | mean ± stdev | vs first row |")
-    print("|---|---|---|---|---|")
+    print("\n| variant | drafter | tau per seed | mean ± stdev | vs first row | tau sampled per seed | mean ± stdev |")
+    print("|---|---|---|---|---|---|---|")
     for row in summary.values():
+        sampled = row.get("tau_sampled")
         print(f"| {row['variant']} | {row['drafter']} | {' / '.join(f'{t:.3f}' for t in row['taus'])} | "
-              f"{row['tau_mean']:.3f} ± {row['tau_stdev']:.3f} | {row['tau_mean'] - first:+.3f} |")
+              f"{row['tau_mean']:.3f} ± {row['tau_stdev']:.3f} | {row['tau_mean'] - first:+.3f} | "
+              + (f"{' / '.join(f'{t:.3f}' for t in sampled['taus'])} | {sampled['mean']:.3f} ± {sampled['stdev']:.3f} |"
+                 if sampled else "| |"))
 
 
 def write(out: Path, runs: list[dict]) -> dict:
@@ -95,6 +115,12 @@ def write(out: Path, runs: list[dict]) -> dict:
             summary[key] = {"variant": label, "drafter": init, "sets": settings, "taus": taus,
                             "tau_mean": statistics.mean(taus),
                             "tau_stdev": statistics.stdev(taus) if len(taus) > 1 else 0.0}
+            sampled = [run["tau_sampled"] for run in runs if run["row"] == key and "tau_sampled" in run]
+            if sampled:
+                summary[key]["tau_sampled"] = {
+                    "temperature": next(run["sampled_temperature"] for run in runs if "tau_sampled" in run),
+                    "taus": sampled, "mean": statistics.mean(sampled),
+                    "stdev": statistics.stdev(sampled) if len(sampled) > 1 else 0.0}
     out.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
     return summary
 
