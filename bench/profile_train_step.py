@@ -1,0 +1,85 @@
+"""Where a training step's GPU time goes: the bench's 8B drafter step (eagle3ops bench, benchmark/training.py
+bench_train: the fused kernel, bf16 weights with float32 masters, AdamW) on one packed row, under torch.profiler.
+
+Kernels are grouped by what they do (matrix products, flex attention, Inductor's fused pointwise and reduction
+kernels, the optimizer, the rest), summed over every step run (the first included, whose kernels are the same),
+and divided by the number of steps. Prints a table per row length and writes JSON:
+
+    python bench/profile_train_step.py --lengths 8192 16384 --out bench/results/h200-train-profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from eagle3ops.benchmark.sizes import SIZES
+from eagle3ops.benchmark.training import bench_train, draft_config, packed_documents
+
+# first match wins; Inductor names its generated kernels triton_{poi,red,per,tem}_...
+KINDS = [("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas", re.I)),
+         ("flex attention", re.compile(r"flex|triton_tem", re.I)),
+         ("optimizer", re.compile(r"multi_tensor|foreach|adam|muon|clip", re.I)),
+         ("fused reductions", re.compile(r"triton_(red|per)", re.I)),
+         ("fused pointwise", re.compile(r"triton_poi", re.I)),
+         ("copies and fills", re.compile(r"copy|fill|memset|cat|elementwise", re.I))]
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def profile_row(length: int, steps: int) -> dict:
+    size = SIZES["8b"]()
+    cfg = draft_config(size.architecture, size.draft_vocab_size)
+    documents = packed_documents(length, 1000.0, 0.8)
+    device = torch.device("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bench = bench_train(cfg, 1, length, steps, device, "flex", documents=documents)
+    run_steps = steps + 2  # bench_train's first step and its second (the optimizer's state) before the timed ones
+    by_kernel = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_kernel[event.key] += event.device_time_total / 1e3 / run_steps  # ms a step
+    by_kind = defaultdict(float)
+    for name, ms in by_kernel.items():
+        by_kind[kind_of(name)] += ms
+    total = sum(by_kernel.values())
+    top = sorted(by_kernel.items(), key=lambda item: -item[1])[:15]
+    return {"length": length, "documents": len(documents), "step_ms": bench.step_ms, "mfu_tflops": bench.tflops,
+            "gpu_ms_a_step": total, "by_kind_ms": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+            "top_kernels_ms": [{"kernel": name[:120], "ms": ms, "kind": kind_of(name)} for name, ms in top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 16384])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default="bench/results/h200-train-profile.json")
+    args = parser.parse_args()
+    rows = []
+    for length in args.lengths:
+        row = profile_row(length, args.steps)
+        rows.append(row)
+        print(f"\n1 x {length} ({row['documents']} documents): step {row['step_ms']} ms, "
+              f"{row['mfu_tflops']:.0f} TFLOP/s, GPU kernels {row['gpu_ms_a_step']:.1f} ms a step")
+        print("| kind | ms a step | share |\n|---|---:|---:|")
+        for kind, ms in row["by_kind_ms"].items():
+            print(f"| {kind} | {ms:.1f} | {ms / row['gpu_ms_a_step']:.0%} |")
+        print("| top kernel | kind | ms a step |\n|---|---|---:|")
+        for kernel in row["top_kernels_ms"]:
+            print(f"| {kernel['kernel'][:70]} | {kernel['kind']} | {kernel['ms']:.2f} |")
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
