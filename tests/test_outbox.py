@@ -324,3 +324,25 @@ def test_an_entry_its_stage_is_still_writing_is_left_alone(local, capsys):
     assert json.loads((running / "run.json").read_text())["status"] == "RUNNING"
     assert not (root / ".eagle3ops" / "outbox-rejected").exists()
     assert uploaded_taus(uri) == [1.0]
+
+
+def test_a_full_disk_while_an_artifact_is_copied_into_the_outbox_is_one_line(tmp_path, monkeypatch):
+    """The copy (hard links where it can) runs out of space: one line naming the entry's file, the partial copy
+    removed, the record still readable."""
+    import errno
+
+    from eagle3ops import fs
+    from eagle3ops.tracking import outbox as outbox_module
+
+    def full(source, destination):
+        Path(destination).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outbox_module, "link_or_copy", full)
+    box = outbox_module.Outbox(tmp_path, {"params": {}, "tags": {}})
+    (tmp_path / "hardware.json").write_text("{}")
+    with pytest.raises(fs.DiskFullError, match=r"disk full writing .*hardware\.json into the outbox \(\d+ MiB free\); "
+                                               r"the stage's own outputs are written"):
+        box.artifact(tmp_path / "hardware.json", None)
+    assert not [p for p in box.dir.rglob("hardware.json")]  # the partial copy removed
+    assert json.loads((box.dir / "run.json").read_text())["artifacts"] == []

@@ -27,7 +27,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
 
-from eagle3ops.fs import link_or_copy, write_json_atomic
+from eagle3ops.fs import disk_full, is_disk_full, link_or_copy, write_json_atomic
 from eagle3ops.tracking.registry import MODEL_FILES, Measurement, log_drafter_model, register_drafter
 
 OUTBOX_DIR = Path(".eagle3ops") / "outbox"
@@ -38,11 +38,20 @@ FRESH_S = 60.0
 
 
 def _copy(source: Path, destination: Path) -> None:
-    if source.is_dir():
-        shutil.copytree(source, destination, copy_function=link_or_copy)
-    else:
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        link_or_copy(source, destination)
+    """`source` into the entry (hard links where the disk allows); a full disk is one line naming the entry, the
+    partial copy removed."""
+    try:
+        if source.is_dir():
+            shutil.copytree(source, destination, copy_function=link_or_copy)
+        else:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            link_or_copy(source, destination)
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        shutil.rmtree(destination, ignore_errors=True) if destination.is_dir() else destination.unlink(missing_ok=True)
+        raise disk_full(destination, f"{source} into the outbox", "the stage's own outputs are written; free space "
+                        "and run the stage again to record it") from None
 
 
 class Outbox:
