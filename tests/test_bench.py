@@ -49,13 +49,14 @@ def test_tiny_bench_times_each_training_variant_on_the_same_row(tmp_path):
     result = run_bench("tiny", torch.device("cpu"), tmp_path / "work", parts=("train-variants",))
     rows = result["train_variants"]
     assert [row["variant"] for row in rows] == ["EAGLE-3, positions fixed, AdamW", "positions raised", "EAGLE-3.1",
-                                                "Muon"]
+                                                "Muon", "LK loss, alpha", "LK loss, lambda"]
     assert {(row["length"], row["documents"], row["kernel"]) for row in rows} == {(512, rows[0]["documents"],
                                                                                    "reference")}
     assert rows[0]["documents"] > 1 and all(row["tokens_per_s"] > 0 for row in rows)
     # the same random inputs and weights: the first step's loss is the same but for the variant's own change
     assert rows[1]["losses"][0] == rows[0]["losses"][0]  # step 0 does not depend on the positions scheme
     assert rows[3]["losses"][0] == rows[0]["losses"][0] and rows[3]["losses"][1:] != rows[0]["losses"][1:]
+    assert all(row["losses"][0] != rows[0]["losses"][0] for row in rows[4:])  # another objective from the first step
     write_result(result, tmp_path / "variants.json")
     assert "| Muon" in (tmp_path / "variants.md").read_text()
 
