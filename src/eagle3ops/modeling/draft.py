@@ -474,16 +474,15 @@ def step_loss(logits: torch.Tensor, target_p: torch.Tensor, draft_mass: torch.Te
     lse = torch.logsumexp(z, dim=-1)  # [B, T]
     alpha = torch.minimum((z - lse[..., None]).exp(), target_p * draft_mass[..., None]).sum(-1)  # [B, T]
     alpha_sum = (alpha * counted).sum()
-    kl = lse * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
-    if kind == "kl":
-        per_position = kl
-    elif kind == "lk_alpha":
-        per_position = -alpha.clamp(min=1e-6).log()
-    elif kind == "lk_lambda":
-        w = kl_scale * torch.exp(-kl_decay * alpha_sum.detach() / counted.sum().clamp(min=1))
-        per_position = w * kl + (1 - w) * (1 - alpha)
-    else:
+    if kind not in STEP_LOSSES:
         raise ValueError(f"step_loss: kind {kind!r} is not one of {STEP_LOSSES}")
+    if kind == "lk_alpha":
+        per_position = -alpha.clamp(min=1e-6).log()
+    else:  # the KL, alone or weighted
+        per_position = lse * target_p.sum(-1) - (target_p * z).sum(-1)  # [B, T]
+        if kind == "lk_lambda":
+            w = kl_scale * torch.exp(-kl_decay * alpha_sum.detach() / counted.sum().clamp(min=1))
+            per_position = w * per_position + (1 - w) * (1 - alpha)
     correct = (logits.argmax(-1) == target_top) & counted
     return (per_position * counted).sum(), correct.sum(), alpha_sum.detach()
 
