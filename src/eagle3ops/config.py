@@ -242,10 +242,8 @@ class DrafterTrainConfig(Section):
                                  f"loss_decay**k (to train the first step alone, set ttt_steps: 1)")
         if self.muon_lr is not None and self.optimizer != Optimizer.muon:
             yield "muon_lr", f"sets Muon's learning rate, but the optimizer is {self.optimizer}"
-        if not 0.0 <= self.lk_kl_scale <= 1.0:
-            yield "lk_kl_scale", "must be in [0, 1]: the weight of the KL term when no token is accepted"
-        if self.lk_kl_decay < 0:
-            yield "lk_kl_decay", "must be at least 0"
+        yield from _in_range(self, "lk_kl_scale", "[0, 1]")  # the KL's weight while nothing is accepted
+        yield from _at_least(self, 0, "lk_kl_decay")
 
 
 @dataclass
