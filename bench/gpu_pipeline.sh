@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU-sized embedded default (preset zoo-gpu) as one DVC experiment on a GPU machine that cannot reach the
+# The GPU-sized embedded default (preset zoo-gpu; PRESET=smollm2 for SmolLM2-135M-Instruct) as one DVC experiment on a GPU machine that cannot reach the
 # team's tracking server, and what to bring back from it (docs/runs.md, "A hardware variant").
 #
 #   bench/gpu_pipeline.sh NAME [dvc exp run options, e.g. -S generate.max_conversations=1024]
+#   PRESET=smollm2 bench/gpu_pipeline.sh smollm2-h200 -S target.dtype=bfloat16
 #
 # Every stage run goes to the outbox (.eagle3ops/outbox/) since MLFLOW_TRACKING_URI names a server this machine
 # cannot reach. A run stopped midway (a time limit) is continued by the same command: DVC skips the stages it
@@ -15,7 +16,7 @@ shift
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-http://127.0.0.1:5000}
 results=${RESULTS_DIR:-bench/results/gpu-pipeline}
 
-eagle3ops preset zoo-gpu >/dev/null || exit 1
+eagle3ops preset "${PRESET:-zoo-gpu}" >/dev/null || exit 1
 # A `dvc exp run` stopped midway leaves its files staged; the next one would fail to apply its stash over them.
 git reset -q 2>/dev/null
 # Where vLLM is not installed (the lent GPU machines carry none), the decoder measures alone and the export is not

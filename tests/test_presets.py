@@ -61,7 +61,7 @@ def params(tmp_path) -> Path:
 
 
 def test_every_preset_is_listed():
-    assert preset_names() == sorted([*PRESETS, "zoo-gpu"])
+    assert preset_names() == sorted([*PRESETS, "smollm2", "zoo-gpu"])  # smollm2: tests/test_smollm2.py
 
 
 @pytest.mark.parametrize("name", PRESETS)

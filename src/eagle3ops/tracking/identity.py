@@ -11,6 +11,7 @@ record (huggingface_hub's cache path or `--local-dir` metadata).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import sys
 from fnmatch import fnmatch
@@ -23,6 +24,8 @@ DIGESTED = ("config.json", "generation_config.json", "*.index.json", "tokenizer*
             "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken", "tiktoken.model", "chat_template.*", "*.py")
 WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 COMMIT = re.compile(r"[0-9a-f]{40}")
+# What a target built from a package (not downloaded) records of its source, a "revision" among it
+SOURCE_RECORD = "eagle3ops-source.json"
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -31,8 +34,12 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 def downloaded_revision(path: str | Path) -> str | None:
     """The commit a Hugging Face download of this directory came from, where the download recorded one:
-    the hub cache's `.../snapshots/<commit>/`, or the metadata `huggingface-cli download --local-dir` keeps."""
+    the hub cache's `.../snapshots/<commit>/`, or the metadata `huggingface-cli download --local-dir` keeps; or the
+    revision a target the zoo built from a package records (zoo/smollm2.py)."""
     path = Path(path).absolute()
+    source = path / SOURCE_RECORD
+    if source.is_file():
+        return json.loads(source.read_text(encoding="utf-8")).get("revision")
     if path.parent.name == "snapshots" and COMMIT.fullmatch(path.name):
         return path.name
     metadata = path / ".cache" / "huggingface" / "download" / "config.json.metadata"
