@@ -62,6 +62,16 @@ def test_each_command_has_its_help(command, capsys):
     assert code == 0 and out.startswith(f"usage: eagle3ops {command}")
 
 
+@pytest.mark.parametrize("columns", [80, 100])
+def test_help_wraps_to_the_terminal(columns, monkeypatch, capsys):
+    """Every line of every help fits the terminal (COLUMNS, as argparse reads it), the command listing included."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    for argv in (["--help"], *([command.name, "--help"] for command in cli.COMMANDS)):
+        _, out, _ = run_main(argv, capsys)
+        wide = [line for line in out.splitlines() if len(line) > columns]
+        assert not wide, (argv, wide)
+
+
 def test_help_loads_no_stage_and_no_heavy_library():
     loaded = subprocess.run([sys.executable, "-c", "import sys\nfrom eagle3ops.cli import main\ntry:\n    main(['--help'])\n"
                              "except SystemExit:\n    pass\nprint(' '.join(sys.modules))"],

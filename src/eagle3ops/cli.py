@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import textwrap
 from collections.abc import Callable
@@ -305,7 +306,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--size", choices=["tiny", "8b"], default="tiny", help="workload scale (default: %(default)s)")
     bench.add_argument("--parts", nargs="+",
                        choices=["extract", "extract-split", "train", "train-variants", "train-varlen", "online"],
-                       default=["extract", "train"],
+                       default=["extract", "train"], metavar="PART",
                        help="extract: naive vs ours, by length and batch; extract-split: the target split over "
                             "the GPUs vs one GPU; train: drafter steps, a document a row and packed rows; "
                             "train-variants: a step of each training variant (TTT positions, EAGLE-3.1, Muon); "
@@ -508,7 +509,9 @@ def _tracking_server_arguments(server: argparse.ArgumentParser) -> None:
                              "s3://BUCKET/PREFIX (credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                              "MLFLOW_S3_ENDPOINT_URL for MinIO, Ceph or another S3-compatible store)")
     server.add_argument("--default-permission", choices=PERMISSIONS, default=ServerOptions.default_permission,
-                        help="what every user may do on experiments and models they did not create (default: "
+                        metavar="PERMISSION",
+                        help=f"{' | '.join(PERMISSIONS)}: what every user may do on experiments and models they did "
+                             "not create (default: "
                              "%(default)s: the team logs into one shared experiment; READ keeps others' runs "
                              "read-only, then an admin grants EDIT per experiment)")
     server.add_argument("mlflow_args", nargs=argparse.REMAINDER, metavar="-- MLFLOW_SERVER_OPTIONS",
@@ -654,7 +657,9 @@ class _Version(argparse.Action):
 
 
 def _listing(rows: list[tuple[str, str]], width: int) -> list[str]:
-    return [textwrap.fill(text, 110, initial_indent=f"  {name:{width - 2}}", subsequent_indent=" " * width)
+    # argparse's own width (COLUMNS, else the terminal's, less 2), so the listing wraps where the usage above does
+    columns = max(60, shutil.get_terminal_size().columns - 2)
+    return [textwrap.fill(text, columns, initial_indent=f"  {name:{width - 2}}", subsequent_indent=" " * width)
             for name, text in rows]
 
 
