@@ -87,6 +87,7 @@ def test_repro_builds_every_stage(repo, first_run):
     assert manifest["aux_layers"] == [2, 4, 5] and manifest["samples"] > 0
     summary = (repo / "reports" / "summary.md").read_text()
     assert "warm_start" in summary and "baseline" in summary and "mlflow ui" in summary
+    assert str(repo) not in summary and "--backend-store-uri sqlite:///mlflow.db` in the repository" in summary
     assert "## Served on vLLM" in summary and "tok/s target alone" in summary
     headline = json.loads((repo / "metrics.json").read_text())
     assert set(headline["tau_vllm"]) == set(headline["speedup_vllm"]) == {"baseline", "scratch", "warm_start"}

@@ -14,7 +14,7 @@ from mlflow.entities import Run
 from eagle3ops.config import Config
 from eagle3ops.reporting.summary import mlflow_ui_hint
 from eagle3ops.tracking.run import stage_run
-from eagle3ops.tracking.store import tracking_uri
+from eagle3ops.tracking.store import default_uri, shown_uri, tracking_uri
 
 ENV = ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID")
 
@@ -222,6 +222,14 @@ def test_report_points_at_the_right_ui():
     assert mlflow_ui_hint("sqlite:///mlflow.db").startswith("`mlflow ui --backend-store-uri sqlite:///mlflow.db`")
     assert mlflow_ui_hint("http://mlflow.team:5000/", "7") == (
         "open http://mlflow.team:5000/#/experiments/7/runs?workflowType=machine_learning")
+
+
+def test_report_names_the_default_store_as_any_clone_has_it(tmp_path):
+    """The committed report names the repository's own store relatively: a clone's absolute path would send
+    another checkout's `mlflow ui` to this one's runs."""
+    assert shown_uri(default_uri(tmp_path), tmp_path) == "sqlite:///mlflow.db"
+    assert shown_uri(f"sqlite:///{tmp_path}/other.db", tmp_path) == f"sqlite:///{tmp_path}/other.db"
+    assert shown_uri("http://alice:secret@mlflow.team:5000", tmp_path) == "http://alice:***@mlflow.team:5000"
 
 
 SUPPORTED = ("http(s)://HOST[:PORT] (a tracking server), sqlite:///PATH.db, postgresql://, mysql:// or mssql:// (a "

@@ -289,7 +289,8 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
     page = f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning" if experiment_id else ""
     if tracking_uri.startswith(("http://", "https://")):
         return f"open {tracking_uri.rstrip('/')}{page}"
-    return f"`mlflow ui --backend-store-uri {tracking_uri}` then open http://127.0.0.1:5000{page}"
+    where = " in the repository" if tracking_uri == "sqlite:///mlflow.db" else ""
+    return f"`mlflow ui --backend-store-uri {tracking_uri}`{where} then open http://127.0.0.1:5000{page}"
 
 
 def _served_section(metrics: dict[str, dict]) -> list[str]:

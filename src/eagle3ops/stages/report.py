@@ -23,7 +23,7 @@ from eagle3ops.tracking import stage_view
 from eagle3ops.tracking.lineage import params_overrides, pipeline_params
 from eagle3ops.tracking.metrics import HEADLINE, PLOTS_DIR, destination, read_metrics
 from eagle3ops.tracking.run import stage_run
-from eagle3ops.tracking.store import scrub, tracking_uri
+from eagle3ops.tracking.store import project_root, scrub, shown_uri, tracking_uri
 
 
 def run(cfg: Config) -> None:
@@ -33,7 +33,7 @@ def run(cfg: Config) -> None:
         metrics = read_metrics([stage for stage in STAGES if stage != "extract" or cfg.pipeline.extract])
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
-        text = markdown(metrics, scrub(tracking_uri(cfg)), tracked.experiment_id)
+        text = markdown(metrics, shown_uri(tracking_uri(cfg), project_root()), tracked.experiment_id)
         out_dir = destination(tracked, Path(cfg.report.out_dir))
         with atomic_dir(out_dir) as out:
             (out / "summary.md").write_text(text)

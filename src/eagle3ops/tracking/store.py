@@ -57,6 +57,12 @@ def default_uri(root: Path) -> str:
     return f"sqlite:///{store_root(root) / 'mlflow.db'}"
 
 
+def shown_uri(uri: str, root: Path) -> str:
+    """`uri` as a committed file may show it: the default store relative to the repository (`sqlite:///mlflow.db`,
+    which MLflow reads from the directory it runs in), not one clone's absolute path; any other store scrubbed."""
+    return "sqlite:///mlflow.db" if uri == default_uri(root) else scrub(uri)
+
+
 def tracking_uri(cfg: Config) -> str:
     """Where runs are recorded: $MLFLOW_TRACKING_URI (it overrides, as in MLflow itself), else the config's
     mlflow.tracking_uri, else mlflow.db at the repository root. One that names no store MLflow can record in is
