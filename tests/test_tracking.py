@@ -281,3 +281,28 @@ def test_a_malformed_uri_in_the_params_or_on_the_command_line_is_named_so(monkey
 def test_the_stores_mlflow_records_in_are_taken_as_given(monkeypatch, uri) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert tracking_uri(Config()) == uri
+
+
+def test_a_copied_store_is_refused_before_it_writes_into_the_original(tmp_path):
+    """A repository copied with its mlflow.db: the experiment's artifact location is still the original's mlruns/,
+    where the copy's runs would silently write. The copy's first stage refuses, naming both and the way out."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from eagle3ops.errors import InputError
+    from eagle3ops.tracking.store import find_or_create_experiment
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    first = find_or_create_experiment(MlflowClient(default_uri(original)), "eagle3ops",
+                                      (original / "mlruns").as_uri())
+    assert find_or_create_experiment(MlflowClient(default_uri(original)), "eagle3ops",
+                                     (original / "mlruns").as_uri()) == first  # its own checkout: found as it is
+    shutil.copytree(original, copy)
+    with pytest.raises(InputError) as refused:
+        find_or_create_experiment(MlflowClient(default_uri(copy)), "eagle3ops", (copy / "mlruns").as_uri())
+    message = str(refused.value)
+    assert message.startswith(f"{copy}/mlflow.db: experiment 'eagle3ops' keeps its artifacts in "
+                              f"{(original / 'mlruns').as_uri()}, not in this repository's")
+    assert "mv mlflow.db mlflow.db.copied" in message

@@ -124,7 +124,19 @@ EXPERIMENT_TAGS = {
 
 
 def find_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+    """The experiment's id, created with `artifact_location` (our default store's mlruns/) where it is new. An
+    experiment of our default store whose artifacts live elsewhere came with a copied (or moved) mlflow.db: its runs'
+    artifacts would go into the other checkout's mlruns/, so it is refused."""
     experiment = client.get_experiment_by_name(name)
+    if experiment is not None and artifact_location and experiment.artifact_location != artifact_location:
+        from eagle3ops.errors import InputError
+
+        store = urlparse(artifact_location).path.removesuffix("/mlruns")
+        raise InputError(
+            f"{store}/mlflow.db: experiment {name!r} keeps its artifacts in {experiment.artifact_location}, not in "
+            f"this repository's {artifact_location}: the store was copied or moved from another checkout, and its "
+            f"runs would write there. Give this checkout a store of its own (`mv mlflow.db mlflow.db.copied` in "
+            f"{store}), or record elsewhere (params mlflow.experiment, mlflow.tracking_uri)")
     if experiment is None:
         try:
             return client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS)
