@@ -54,6 +54,16 @@ def isolate(monkeypatch: pytest.MonkeyPatch, root: Path, tracking_uri: str | Non
 
 
 
+class FakeDvc:
+    """The `dvc` process above a stage, as psutil shows it: its command line."""
+
+    def __init__(self, *arguments: str) -> None:
+        self.arguments = ["/venv/bin/python3.11", "/venv/bin/dvc", *arguments]
+
+    def cmdline(self) -> list[str]:
+        return self.arguments
+
+
 def wait_for_http(url: str, server: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
     """Poll `url` until it answers (any HTTP status); fail at once if `server`, the process meant to serve it,
     has exited, and after `timeout_s` otherwise."""

@@ -29,7 +29,7 @@ from eagle3ops.runs.compare import (
 from eagle3ops.runs.phases import timed_phases
 from eagle3ops.runs.records import PipelineRecord, StageRecord
 from eagle3ops.tracking.run import stage_run
-from helpers import isolate
+from helpers import FakeDvc, isolate
 
 
 def _eval(load: float, decode: float, accepts: tuple[float, ...], spec_tokens_per_s: float) -> dict[str, float]:
@@ -98,6 +98,17 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 stage, _, variant = dvc_stage.partition("@")
                 with stage_run(cfg, stage, variant or None) as run:
                     run.log_metrics(metrics)
+        # Two newer pipeline runs that did not finish: one whose stage failed, one stopped between its stages
+        # (its `dvc exp run` would go on to the report)
+        mp.setenv("DVC_STAGE", "train@scratch")
+        mp.setenv("DVC_EXP_NAME", "run-failed")
+        with pytest.raises(RuntimeError), stage_run(cfg, "train", "scratch"):
+            raise RuntimeError("out of memory")
+        mp.setenv("DVC_EXP_NAME", "run-running")
+        shutil.copy(Path(__file__).resolve().parents[1] / "dvc.yaml", root / "dvc.yaml")
+        mp.setattr("eagle3ops.tracking.run._dvc_process", lambda: FakeDvc("exp", "run", "-n", "run-running"))
+        with stage_run(cfg, "train", "scratch"):
+            pass
     return root / "mlflow.db"
 
 
@@ -263,10 +274,23 @@ def test_cli_filters_and_errors(client: MlflowClient, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert C in out and A not in out and "warm_start tau" not in out and "scratch tau" in out
     assert main(["compare", "--hardware", "B300"]) == 1
-    assert "no pipeline runs match" in capsys.readouterr().err
+    assert "no finished pipeline runs match" in capsys.readouterr().err
     assert main(["compare", "--filter", "nonsense ="]) == 2
     assert main(["compare", "--runs", run_id(client, "run-a"), "--last", "1"]) == 0
     experiment = client.get_experiment_by_name("eagle3ops").experiment_id
     stage = client.search_runs([experiment], "tags.`eagle3ops.role` = 'stage'", max_results=1)[0]
     assert main(["compare", "--runs", stage.info.run_id]) == 2
     assert "is not a pipeline run" in capsys.readouterr().err
+
+
+def test_last_takes_finished_runs_and_names_those_it_left_out(client: MlflowClient, capsys) -> None:
+    """A pipeline run whose stage failed, and one stopped between its stages, are newer than the three finished
+    runs: `compare --last 2` compares the two newest finished ones and says which it left out, and why."""
+    assert main(["compare", "--last", "2", "--out", "cmp"]) == 0
+    captured = capsys.readouterr()
+    assert C in captured.out and B in captured.out and A not in captured.out
+    assert "run-running" not in captured.out and "run-failed" not in captured.out
+    assert captured.err.strip() == (
+        "eagle3ops compare: left out 2 pipeline run(s) not finished (compare them by id with --runs): "
+        "run-running (RUNNING: a stage is running, or the run stopped before its report); "
+        "run-failed (FAILED: a stage failed)")

@@ -15,6 +15,7 @@ from eagle3ops.config import Config
 from eagle3ops.reporting.summary import mlflow_ui_hint
 from eagle3ops.tracking.run import stage_run
 from eagle3ops.tracking.store import default_uri, shown_uri, tracking_uri
+from helpers import FakeDvc, isolate
 
 ENV = ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "MLFLOW_RUN_ID")
 
@@ -159,7 +160,7 @@ def test_exception_marks_run_failed_and_propagates() -> None:
     failed = get_run(cfg, run.run_id)
     assert failed.info.status == "FAILED"
     assert "time/train_s" in failed.data.metrics and "time/stage_wall_s" in failed.data.metrics
-    assert parent_of(cfg, run.run_id).info.status == "FINISHED"
+    assert parent_of(cfg, run.run_id).info.status == "FAILED"  # the pipeline run failed with its stage
     assert mlflow.active_run() is None
 
 
@@ -306,3 +307,50 @@ def test_a_copied_store_is_refused_before_it_writes_into_the_original(tmp_path):
     assert message.startswith(f"{copy}/mlflow.db: experiment 'eagle3ops' keeps its artifacts in "
                               f"{(original / 'mlruns').as_uri()}, not in this repository's")
     assert "mv mlflow.db mlflow.db.copied" in message
+
+
+@pytest.mark.parametrize("arguments, goes_on", [
+    (("repro",), True), (("exp", "run", "-n", "lr", "-S", "train.lr=1e-3"), True), (("exp", "exec-run"), True),
+    (("repro", "train@scratch"), False), (("repro", "dvc.yaml:eval"), False), (("repro", "-s", "x"), False),
+    (("repro", "--single-item", "export"), False)])
+def test_a_whole_pipeline_invocation_runs_on_to_the_report(arguments, goes_on, monkeypatch):
+    from eagle3ops.tracking import run
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(run, "_dvc_process", lambda: FakeDvc(*arguments))
+    assert run._runs_on_to_the_report("train", root) is goes_on
+    assert run._runs_on_to_the_report("report", root) is False  # the last stage
+    monkeypatch.setattr(run, "_dvc_process", lambda: None)
+    assert run._runs_on_to_the_report("train", root) is False  # started by hand
+
+
+def test_the_pipeline_run_is_running_until_its_report_and_failed_when_a_stage_fails(tmp_path, monkeypatch):
+    """Under `dvc exp run`: RUNNING while a stage runs and between stages, FINISHED after the report; a stage
+    that fails marks the pipeline run FAILED."""
+    import shutil
+
+    from eagle3ops.tracking import run
+
+    shutil.copy(Path(__file__).resolve().parents[1] / "dvc.yaml", tmp_path / "dvc.yaml")
+    store = MlflowClient(isolate(monkeypatch, tmp_path))
+    monkeypatch.setattr(run, "_dvc_process", lambda: FakeDvc("exp", "run", "-n", "whole"))
+    cfg = Config()
+    cfg.mlflow.system_metrics = False
+
+    def status(key: str) -> str:
+        (parent,) = store.search_runs([store.get_experiment_by_name("eagle3ops").experiment_id],
+                                      f"tags.`eagle3ops.role` = 'pipeline' and tags.`eagle3ops.pipeline_key` = '{key}'")
+        return parent.info.status
+
+    monkeypatch.setenv("DVC_EXP_NAME", "whole")
+    with stage_run(cfg, "train", "scratch"):
+        assert status("whole") == "RUNNING"
+    assert status("whole") == "RUNNING"  # the report is still to come
+    with stage_run(cfg, "report"):
+        assert status("whole") == "RUNNING"
+    assert status("whole") == "FINISHED"
+
+    monkeypatch.setenv("DVC_EXP_NAME", "broken")
+    with pytest.raises(RuntimeError), stage_run(cfg, "train", "scratch"):
+        raise RuntimeError("out of memory")
+    assert status("broken") == "FAILED"

@@ -6,6 +6,7 @@ cost on which hardware" (stay local or rent). Everything works on `PipelineRecor
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from eagle3ops.errors import InputError, UsageError
 from eagle3ops.fs import COMPARISON, atomic_dir, check_output
 from eagle3ops.reporting.summary import draft_positions, markdown_table
 from eagle3ops.runs.phases import PHASES, Phase
-from eagle3ops.runs.records import PipelineRecord, find_pipelines, load_pipeline
+from eagle3ops.runs.records import FINISHED, PipelineRecord, find_pipelines, load_pipeline, unfinished_pipelines
 from eagle3ops.tracking.run import LOAD_METRIC
 from eagle3ops.tracking.store import ROLE_TAG
 
@@ -59,10 +60,11 @@ def select_pipelines(client: MlflowClient, experiment: str = "eagle3ops", filter
     the `variants` (drafters), showing only those drafters; at most `last` runs (None: all)."""
     if run_ids:
         records = [_pipeline(client, run_id) for run_id in run_ids]
-    else:
+    else:  # finished runs only: a running one has no report yet, a failed one stopped midway
         # Hardware and variants are only known once a run's stages are loaded: then read more than `last`.
         limit = 1000 if hardware or variants or last is None else last
-        records = find_pipelines(client, experiment, filter_string, max_results=limit)
+        finished = f"{filter_string} and {FINISHED}" if filter_string else FINISHED
+        records = find_pipelines(client, experiment, finished, max_results=limit)
     if hardware:
         records = [r for r in records if _on_hardware(r, hardware)]
     if variants:
@@ -316,7 +318,12 @@ def command(store: str, experiment: str, filter_string: str, run_ids: Sequence[s
                                    last or (None if run_ids else DEFAULT_LAST))
     except (InputError, MlflowException) as err:  # a bad filter or run id
         raise UsageError(str(err)) from None
+    skipped = [] if run_ids else unfinished_pipelines(
+        MlflowClient(store), experiment, filter_string, min((r.start_time for r in records), default=0))
+    if skipped:
+        print(f"eagle3ops compare: left out {len(skipped)} pipeline run(s) not finished (compare them by id with "
+              f"--runs): {'; '.join(skipped)}", file=sys.stderr)
     if not records:
-        raise InputError("no pipeline runs match")
+        raise InputError("no finished pipeline runs match")
     print(write_report(records, out))
     return 0

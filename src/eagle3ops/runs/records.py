@@ -39,6 +39,7 @@ class PipelineRecord:
     tags: dict[str, str]
     params: dict[str, str] = field(default_factory=dict)  # what defines the pipeline (the report stage logs them)
     stages: dict[str, StageRecord] = field(default_factory=dict)  # by `name`: "extract", "train@scratch"
+    start_time: int = 0  # ms since the epoch
 
     @property
     def hardware_label(self) -> str:
@@ -67,7 +68,8 @@ def _stage_record(run) -> StageRecord:
 
 def load_pipeline(client: MlflowClient, run_id: str) -> PipelineRecord:
     parent = client.get_run(run_id)
-    record = PipelineRecord(run_id, parent.info.run_name, dict(parent.data.tags), dict(parent.data.params))
+    record = PipelineRecord(run_id, parent.info.run_name, dict(parent.data.tags), dict(parent.data.params),
+                            start_time=parent.info.start_time)
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'",
                                   order_by=["attributes.start_time ASC"], max_results=5000)
     for child in children:  # a stage run twice in one pipeline run: the later run wins
@@ -87,6 +89,25 @@ def find_pipelines(client: MlflowClient, experiment: str = "eagle3ops", filter_s
     parents = client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"],
                                  max_results=max_results)
     return [load_pipeline(client, p.info.run_id) for p in parents]
+
+
+FINISHED = "attributes.status = 'FINISHED'"
+# why a pipeline run is not finished, by its MLflow status
+UNFINISHED_WHY = {"RUNNING": "a stage is running, or the run stopped before its report",
+                  "FAILED": "a stage failed", "KILLED": "killed", "SCHEDULED": "not started"}
+
+
+def unfinished_pipelines(client: MlflowClient, experiment: str, filter_string: str, since_ms: int) -> list[str]:
+    """'NAME (STATUS: why)' for each pipeline run started at or after `since_ms` that is not FINISHED, newest
+    first: what a selection of the newest finished runs left out."""
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    query = (f"tags.`{ROLE_TAG}` = 'pipeline' and attributes.status != 'FINISHED' and attributes.start_time >= "
+             f"{since_ms}" + (f" and {filter_string}" if filter_string else ""))
+    runs = client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=20)
+    return [f"{run.info.run_name} ({run.info.status}: {UNFINISHED_WHY.get(run.info.status, 'not finished')})"
+            for run in runs]
 
 
 def pipeline_key(record: PipelineRecord) -> str:

@@ -364,9 +364,12 @@ def sync(uri: str, root: Path) -> Synced:
                 print(f"eagle3ops sync: {entry.name}: no logged model has the weights its eval measured (sha256 "
                       f"{wanted['sha256'][:12]}); its drafter is not registered", file=sys.stderr)
         client.set_terminated(run_id, record["status"], end_time)
+        # The pipeline run ends with its last stage, and failed if one of its stages did; a stage that went offline
+        # midway left it RUNNING, which, synced after the fact, it no longer is
         parent = client.get_run(record["parent_id"]).info
-        if end_time and (parent.end_time or 0) < end_time:  # the pipeline run ends with its last stage
-            client.set_terminated(record["parent_id"], parent.status, end_time)
+        status = "FAILED" if "FAILED" in (record["status"], parent.status) else "FINISHED"
+        if status != parent.status or (end_time and (parent.end_time or 0) < end_time):
+            client.set_terminated(record["parent_id"], status, max(end_time or 0, parent.end_time or 0) or None)
         shutil.rmtree(entry)
         done.append(run_id)
     return Synced(done, rejected)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlflow
 import psutil
+import yaml
 from mlflow import MlflowClient
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
@@ -70,19 +71,44 @@ def _param_text(value) -> str:
     return scrub(text)[:MAX_PARAM_CHARS]
 
 
-def _invocation_key() -> str | None:
-    """One key per `dvc repro` / `dvc exp run` invocation: the pid and start time of the dvc process above us
-    (DVC runs each stage command through a shell). None when the stage was started by hand."""
+REPORT_STAGE = "report"  # dvc.yaml's last stage: it reads every other stage's metrics
+
+
+def _dvc_process() -> psutil.Process | None:
+    """The `dvc repro` / `dvc exp run` process above us (DVC runs each stage command through a shell); None when
+    the stage was started by hand."""
     try:
         process = psutil.Process().parent()
         while process is not None:
             command = " ".join(process.cmdline()[:2])
             if re.search(r"(^|/)dvc(\s|$)|-m dvc\b|/dvc/__main__", command) or process.name() == "dvc":
-                return f"dvc-{process.pid}-{int(process.create_time())}"
+                return process
             process = process.parent()
     except psutil.Error:
         return None
     return None
+
+
+def _invocation_key() -> str | None:
+    """One key per `dvc repro` / `dvc exp run` invocation: the pid and start time of the dvc process."""
+    process = _dvc_process()
+    return None if process is None else f"dvc-{process.pid}-{int(process.create_time())}"
+
+
+def _runs_on_to_the_report(stage: str, root: Path) -> bool:
+    """Whether the DVC invocation running `stage` goes on to the report stage, the pipeline's last (it reads
+    every stage's metrics): a `dvc repro` or `dvc exp run` of the whole pipeline does; one given stages to run
+    (`dvc repro train@scratch`, `-s`), or no DVC at all, may stop anywhere."""
+    process = _dvc_process()
+    if stage == REPORT_STAGE or process is None:
+        return False
+    try:
+        arguments = process.cmdline()
+        names = set((yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {}))
+    except (psutil.Error, OSError, yaml.YAMLError):
+        return False
+    targeted = any(arg.rpartition(":")[2].partition("@")[0] in names for arg in arguments)
+    return not targeted and not {"-s", "--single-item"} & set(arguments)
 
 
 def _cores(fp: dict) -> int:
@@ -294,6 +320,7 @@ def stage_run(
         artifacts = (store_root(root) / "mlruns").as_uri() if uri == default_uri(root) else None
         experiment_id = find_or_create_experiment(client, cfg.mlflow.experiment, artifacts)
         parent_id = find_or_create_parent_run(client, experiment_id, key, name, shared)
+        client.update_run(parent_id, "RUNNING")
         stamp_finished_stages(client, experiment_id, root)
         tag_experiment_commits(client, experiment_id, root)
         # named after its pipeline run too: charts over several pipeline runs tell their stage runs apart
@@ -323,5 +350,8 @@ def stage_run(
                 mlflow.end_run(status)
             except UNREACHABLE:
                 pass  # the outbox keeps the status
-        if not handle._send(lambda: handle._client.set_terminated(handle.parent_id, "FINISHED")):
+        # The pipeline run is RUNNING while its stages run, FAILED when one fails, FINISHED after the last
+        if handle.outbox is None and (status == "FAILED" or not _runs_on_to_the_report(stage, root)):
+            handle._send(lambda: handle._client.set_terminated(handle.parent_id, status))
+        if handle.outbox is not None:
             handle.outbox.finish(status)  # moves the parent's end time to this stage's end, once synced
