@@ -247,13 +247,32 @@ def test_a_speed_gap_on_one_hardware_label_is_a_warning_with_the_machine_load(cl
     assert load_warnings(by_name(client, "run-a", "run-c")) == []  # another label: a real difference
 
 
-def test_the_plot_gives_each_run_its_colour_and_a_legend(client: MlflowClient) -> None:
+def test_the_plot_compares_tau_with_intervals_in_one_colour_per_run(client: MlflowClient) -> None:
+    """tau per drafter as grouped bars, one colour per run in every panel, the 95% intervals drawn; acceptance by
+    position in the run's colour, the drafter by line style; one run alone draws as well."""
     records = by_name(client, "run-a", "run-b", "run-c")
     figure = draw(records)
-    bars = figure.axes[1]
-    assert [text.get_text() for text in bars.get_legend().get_texts()] == [A, B, C]
-    assert len({patch.get_facecolor() for patch in bars.patches}) == 3
+    taus, positions, phases = figure.axes
+    assert [text.get_text() for text in taus.get_legend().get_texts()] == [A, B, C]
+    assert [tick.get_text() for tick in taus.get_xticklabels()] == ["baseline", "scratch", "warm_start"]
+    colour = {container.get_label(): container.patches[0].get_facecolor() for container in taus.containers
+              if hasattr(container, "patches")}
+    assert len(set(colour.values())) == 3
+    # run-a's bars: its three drafters at its tau, each with its interval
+    run_a = next(c for c in taus.containers if getattr(c, "patches", None) and c.get_label() == A)
+    assert [p.get_height() for p in run_a.patches] == pytest.approx([1.5, 2.5, 3.1])
+    assert [c for c in taus.containers if not hasattr(c, "patches")], "no error bars"
+    # run-c has no baseline: its bar is missing, not zero
+    run_c = next(c for c in taus.containers if getattr(c, "patches", None) and c.get_label() == C)
+    assert math.isnan(run_c.patches[0].get_height())
+    assert {phase.get_facecolor() for phase in phases.patches} == set(colour.values())
+    lines = [line for line in positions.get_lines() if len(line.get_xdata())]
+    assert {tuple(line.get_color()) for line in lines} == set(colour.values())
+    assert {line.get_linestyle() for line in lines} == {":", "--", "-"}
     matplotlib.pyplot.close(figure)
+    alone = draw(by_name(client, "run-b"))
+    assert [text.get_text() for text in alone.axes[0].get_legend().get_texts()] == [B]
+    matplotlib.pyplot.close(alone)
 
 
 def test_cli_prints_the_table(client: MlflowClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from eagle3ops.config import EvalDrafter, TrainInit
+from eagle3ops.config import EvalDrafter
 from eagle3ops.errors import InputError, UsageError
 from eagle3ops.fs import COMPARISON, atomic_dir, check_output
 from eagle3ops.reporting.summary import draft_positions, markdown_table
@@ -254,35 +254,64 @@ def markdown(records: Sequence[PipelineRecord]) -> str:
     return "\n".join(lines)
 
 
-def draw(records: Sequence[PipelineRecord]) -> plt.Figure:
-    """Left: tau against training tokens, one line per trained variant, each point named by its run. Right:
-    seconds per phase, one bar per run in the run's own colour, with a legend."""
-    fig, (curve, bars) = plt.subplots(1, 2, figsize=(14, 4.8))
-    for init in TrainInit:
-        points: dict[tuple[float, float], list[str]] = {}  # runs sharing a cached stage share a point
-        for r in records:
-            tokens, tau = r.metric(f"train@{init}", "train_tokens"), r.metric(f"eval@{init}", "tau")
-            if tokens is not None and tau is not None:
-                points.setdefault((tokens, tau), []).append(r.name)
-        if points:
-            curve.plot(*zip(*sorted(points)), marker="o", label=init)
-            for xy, names in points.items():
-                curve.annotate(", ".join(names), xy, textcoords="offset points", xytext=(4, 4), fontsize=8)
-    curve.set(title="tau vs training tokens", xlabel="training tokens", ylabel="tau (tokens per verification)")
-    if curve.lines:
-        curve.legend()
+# A drafter's line style in the per-position panel; colour is the run's, in every panel
+DRAFTER_STYLES = {"baseline": ":", "scratch": "--", "warm_start": "-"}
 
-    colours = {header(r): plt.cm.tab10(i % 10) for i, r in enumerate(records)}  # one per run, both panels
-    phases = [p for p in PHASES if any(p.seconds(r) for r in records)]
+
+def draw(records: Sequence[PipelineRecord]) -> plt.Figure:
+    """Three panels, one colour per run throughout (the legend of the first names them): tau per drafter as
+    grouped bars with their 95% intervals; acceptance at each draft position, a line per run and drafter (the
+    drafter by line style); seconds per phase, a bar per run (log scale)."""
+    fig, (taus, positions, phases_axis) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [5, 4, 6]})
+    colours = {header(r): plt.cm.tab10(i % 10) for i, r in enumerate(records)}
     width = 0.8 / len(records)
+
+    def offset(i: int) -> float:  # run i's bar within its group
+        return (i - (len(records) - 1) / 2) * width
+
+    drafters = [d for d in EvalDrafter if any(r.metric(f"eval@{d}", "tau") is not None for r in records)]
     for i, run in enumerate(records):
-        offset = (i - (len(records) - 1) / 2) * width
+        values = [run.metric(f"eval@{d}", "tau") for d in drafters]
+        lows = [run.metric(f"eval@{d}", "tau_ci_low") for d in drafters]
+        highs = [run.metric(f"eval@{d}", "tau_ci_high") for d in drafters]
+        xs = [j + offset(i) for j in range(len(drafters))]
+        heights = [v if v is not None else float("nan") for v in values]
+        errors = [[v - lo if None not in (v, lo) else 0 for v, lo in zip(values, lows)],
+                  [hi - v if None not in (v, hi) else 0 for v, hi in zip(values, highs)]]
+        taus.bar(xs, heights, width, yerr=errors, capsize=3, color=colours[header(run)], edgecolor="white",
+                 label=header(run))
+        for x, value, high in zip(xs, values, highs):
+            if value is not None:  # above the interval, where the error bar does not cross it
+                taus.annotate(f"{value:.2f}", (x, max(value, high or value)), textcoords="offset points",
+                              xytext=(0, 2), ha="center", va="bottom", fontsize=7,
+                              rotation=90 if len(records) > 3 else 0)
+    taus.set_xticks(range(len(drafters)), drafters)
+    taus.set(title="tau per drafter (95% interval)", ylabel="tau (tokens per verification)")
+    taus.set_ylim(bottom=1.0)  # tau is at least 1 (the target's own token): the bars show what the drafts add
+    taus.legend(fontsize=8, title="run (hardware label)", title_fontsize=8)
+
+    for run in records:
+        for drafter in drafters:
+            stage = run.stages.get(f"eval@{drafter}")
+            if stage is None:
+                continue
+            k = draft_positions(stage.metrics)
+            rates = [stage.metrics[f"accept_{i}"] for i in range(1, k + 1)]
+            positions.plot(range(1, k + 1), rates, DRAFTER_STYLES[drafter], marker="o", color=colours[header(run)])
+    for drafter in drafters:  # the styles' legend, in no run's colour
+        positions.plot([], [], DRAFTER_STYLES[drafter], color="grey", label=drafter)
+    positions.set(title="acceptance by draft position", xlabel="draft position", ylabel="acceptance rate a_i",
+                  ylim=(0, 1))
+    positions.xaxis.get_major_locator().set_params(integer=True)
+    positions.legend(fontsize=8)
+
+    phases = [p for p in PHASES if any(p.seconds(r) for r in records)]
+    for i, run in enumerate(records):
         heights = [p.seconds(run) or float("nan") for p in phases]
-        bars.bar([j + offset for j in range(len(phases))], heights, width, color=colours[header(run)],
-                 edgecolor="white", label=header(run))
-    bars.set_xticks(range(len(phases)), [p.name for p in phases], rotation=30, ha="right")
-    bars.set(title="Phase time (one bar per run; run (hardware label))", ylabel="seconds", yscale="log")
-    bars.legend(fontsize=8)
+        phases_axis.bar([j + offset(i) for j in range(len(phases))], heights, width, color=colours[header(run)],
+                        edgecolor="white", label=header(run))
+    phases_axis.set_xticks(range(len(phases)), [p.name for p in phases], rotation=30, ha="right")
+    phases_axis.set(title="phase time", ylabel="seconds", yscale="log")
     fig.tight_layout()
     return fig
 
