@@ -222,7 +222,28 @@ def test_report_points_at_the_right_ui():
     assert mlflow_ui_hint("http://mlflow.team:5000") == "open http://mlflow.team:5000"
     assert mlflow_ui_hint("sqlite:///mlflow.db").startswith("`mlflow ui --backend-store-uri sqlite:///mlflow.db`")
     assert mlflow_ui_hint("http://mlflow.team:5000/", "7") == (
-        "open http://mlflow.team:5000/#/experiments/7/runs?workflowType=machine_learning")
+        "open http://mlflow.team:5000/#/experiments/7/runs?viewStateShareKey=eagle3ops&workflowType=machine_learning")
+
+
+def test_the_experiment_keeps_the_view_the_link_opens(tmp_path):
+    """The saved view (an experiment tag MLflow's runs page reads for ?viewStateShareKey=eagle3ops) lists tau per
+    drafter and the overrides as columns, over the pipeline runs; an experiment made before it, or with an older
+    view, gets the current one."""
+    from mlflow import MlflowClient
+
+    from eagle3ops.tracking.store import RUNS_VIEW_STATE, RUNS_VIEW_TAG, find_or_create_experiment
+
+    client = MlflowClient(default_uri(tmp_path))
+    experiment_id = find_or_create_experiment(client, "eagle3ops", None)
+    view = json.loads(client.get_experiment(experiment_id).tags[RUNS_VIEW_TAG])
+    assert isinstance(view["name"], str) and isinstance(view["createdAt"], int)
+    state = json.loads(view["state"])
+    assert state["selectedColumns"][:3] == ["metrics.`tau/baseline`", "metrics.`tau/scratch`", "metrics.`tau/warm_start`"]
+    assert "params.`overrides`" in state["selectedColumns"]
+    assert state["searchFilter"] == "tags.`eagle3ops.role` = 'pipeline'"
+    client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, json.dumps({**view, "state": "{}"}))
+    find_or_create_experiment(client, "eagle3ops", None)
+    assert json.loads(json.loads(client.get_experiment(experiment_id).tags[RUNS_VIEW_TAG])["state"]) == RUNS_VIEW_STATE
 
 
 def test_report_names_the_default_store_as_any_clone_has_it(tmp_path):

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from eagle3ops.config import EvalDrafter, TrainInit
+from eagle3ops.tracking.store import RUNS_VIEW_KEY
 
 # The pipeline's stages whose metrics the report reads (the zoo stands in for models a user already has)
 STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
@@ -284,9 +285,11 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str) -> str:
 
 def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
     """Where to look at the runs: a tracking server is already a UI; a local store needs `mlflow ui`. The link
-    asks for the experiment's runs table in the model-training view: MLflow 3's UI opens experiments on its
-    GenAI (traces) pages unless the link or the user's last choice says otherwise."""
-    page = f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning" if experiment_id else ""
+    opens the experiment's runs table in the model-training view (MLflow 3's UI opens experiments on its GenAI
+    pages unless the link or the user's last choice says otherwise) through the saved view the pipeline keeps on
+    the experiment: pipeline runs with tau per drafter as columns (tracking/store.py, RUNS_VIEW_STATE)."""
+    page = (f"/#/experiments/{experiment_id}/runs?viewStateShareKey={RUNS_VIEW_KEY}&workflowType=machine_learning"
+            if experiment_id else "")
     if tracking_uri.startswith(("http://", "https://")):
         return f"open {tracking_uri.rstrip('/')}{page}"
     where = " in the repository" if tracking_uri == "sqlite:///mlflow.db" else ""

@@ -4,6 +4,7 @@ reached raises.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -123,6 +124,27 @@ EXPERIMENT_TAGS = {
 }
 
 
+# The runs table the report's link opens: a saved view of MLflow 3 (an experiment tag
+# mlflow.sharedViewState.KEY, opened by ?viewStateShareKey=KEY; no URL parameter picks columns). The pipeline runs
+# alone, newest first, with tau per drafter (the decoder's, vLLM's, sampled) and the overrides as columns beside
+# the name, creation time and duration MLflow always shows.
+RUNS_VIEW_KEY = "eagle3ops"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+RUNS_VIEW_STATE = {
+    "selectedColumns": [f"metrics.`{kind}/{drafter}`" for kind in ("tau", "tau_vllm", "tau_sampled")
+                        for drafter in ("baseline", "scratch", "warm_start")] + ["params.`overrides`"],
+    "searchFilter": f"tags.`{ROLE_TAG}` = 'pipeline'",
+    "orderByKey": "attributes.start_time",
+    "orderByAsc": False,
+}
+
+
+def _runs_view() -> str:
+    now = int(time.time() * 1000)
+    return json.dumps({"name": "Pipeline runs: tau per drafter", "createdAt": now, "updatedAt": now,
+                       "state": json.dumps(RUNS_VIEW_STATE)})
+
+
 def find_or_create_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:
     """The experiment's id, created with `artifact_location` (our default store's mlruns/) where it is new. An
     experiment of our default store whose artifacts live elsewhere came with a copied (or moved) mlflow.db: its runs'
@@ -139,7 +161,8 @@ def find_or_create_experiment(client: MlflowClient, name: str, artifact_location
             f"{store}), or record elsewhere (params mlflow.experiment, mlflow.tracking_uri)")
     if experiment is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS)
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={**EXPERIMENT_TAGS, RUNS_VIEW_TAG: _runs_view()})
         except MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another stage process created it just now
                 raise
@@ -147,6 +170,9 @@ def find_or_create_experiment(client: MlflowClient, name: str, artifact_location
     for tag, value in EXPERIMENT_TAGS.items():
         if tag not in experiment.tags:  # one made before these tags, or by hand
             client.set_experiment_tag(experiment.experiment_id, tag, value)
+    view = json.loads(experiment.tags.get(RUNS_VIEW_TAG) or "{}")
+    if view.get("state") != json.dumps(RUNS_VIEW_STATE):  # none yet, or an older eagle3ops's
+        client.set_experiment_tag(experiment.experiment_id, RUNS_VIEW_TAG, _runs_view())
     return experiment.experiment_id
 
 
