@@ -436,6 +436,11 @@ def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, br
     for drafter, tau in taus.items():  # the metric's name, then its value
         assert float(lines[lines.index(f"tau/{drafter}") + 1]) == pytest.approx(tau, abs=1e-4), drafter
     assert "eagle3ops report" in text  # the report is the run's description
+    figures = [image for image in browser.find_elements(By.TAG_NAME, "img")
+               if "get-artifact?path=report/tau_by_set.png" in (image.get_attribute("src") or "")]
+    assert figures, "the report's figure is not on the run page"
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script(  # fetched from the run's artifacts, not broken
+        "return arguments[0].complete && arguments[0].naturalWidth > 0", figures[0]))
     screenshot(browser, "mlflow-pipeline-run", tmp_path)
 
     assert {o.model_id for o in parent.outputs.model_outputs} == {  # the trained drafters, in its Models column

@@ -375,3 +375,12 @@ def test_the_pipeline_run_is_running_until_its_report_and_failed_when_a_stage_fa
     with pytest.raises(RuntimeError), stage_run(cfg, "train", "scratch"):
         raise RuntimeError("out of memory")
     assert status("broken") == "FAILED"
+
+
+def test_the_description_fetches_the_figure_from_the_runs_artifacts():
+    from eagle3ops.reporting.summary import described_in_mlflow
+
+    report = "## tau per set\n\n![tau by set](tau_by_set.png)\n\n## Stage timings\n"
+    assert described_in_mlflow(report, "abc123") == (
+        "## tau per set\n\n![tau by set](get-artifact?path=report/tau_by_set.png&run_uuid=abc123)\n\n## Stage timings\n")
+    assert described_in_mlflow(report, None) == "## tau per set\n\n\n## Stage timings\n"  # recorded offline

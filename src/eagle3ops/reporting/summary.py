@@ -283,6 +283,18 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str) -> str:
     return frame.to_markdown(index=False, floatfmt=floatfmt, missingval="-")
 
 
+TAU_BY_SET_PNG = "tau_by_set.png"  # beside summary.md in report.out_dir, and under report/ on the pipeline run
+
+
+def described_in_mlflow(report: str, run_id: str | None) -> str:
+    """The report as the pipeline run's description: its figure fetched from the run's own artifacts (a path
+    relative to summary.md means nothing on the MLflow page), or left out where the run is not known yet."""
+    image = f"![tau by set]({TAU_BY_SET_PNG})"
+    if run_id is None:
+        return report.replace(image + "\n", "")
+    return report.replace(image, f"![tau by set](get-artifact?path=report/{TAU_BY_SET_PNG}&run_uuid={run_id})")
+
+
 def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
     """Where to look at the runs: a tracking server is already a UI; a local store needs `mlflow ui`. The link
     opens the experiment's runs table in the model-training view (MLflow 3's UI opens experiments on its GenAI
@@ -325,7 +337,7 @@ def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | N
              "a_i = share of verification steps whose i-th draft was accepted; ttt acc_0 = the "
              "trained drafter's step-0 accuracy on held-out training data.", "",
              "## Acceptance length tau per benchmark set", "", markdown_table(tau_by_set_table(metrics), ".3f"), "",
-             "![tau by set](tau_by_set.png)", "",
+             f"![tau by set]({TAU_BY_SET_PNG})", "",
              *_served_section(metrics),
              "## Stage timings", "", markdown_table(timings, ".1f"), "",
              f"MLflow runs: {mlflow_ui_hint(tracking_uri, experiment_id)}", ""]

@@ -11,7 +11,9 @@ from eagle3ops.config import Config, TrainInit
 from eagle3ops.fs import atomic_dir, write_json_atomic
 from eagle3ops.reporting.summary import (
     STAGES,
+    TAU_BY_SET_PNG,
     acceptance_by_position,
+    described_in_mlflow,
     headline,
     markdown,
     pipeline_metrics,
@@ -40,7 +42,7 @@ def run(cfg: Config) -> None:
             acceptance_by_position(metrics).to_csv(out / "acceptance.csv", index=False)
             plot(metrics, histories, out / "comparison.png")
             tau_by_set_table(metrics).to_csv(out / "tau_by_set.csv", index=False)
-            plot_tau_by_set(metrics, out / "tau_by_set.png")
+            plot_tau_by_set(metrics, out / TAU_BY_SET_PNG)
         write_json_atomic(destination(tracked, HEADLINE), headline(metrics))
         tracked.log_artifact(out_dir, "report")
         if not tracked.one_off:  # a one-off report describes no pipeline run
@@ -53,7 +55,8 @@ def _describe_pipeline(cfg: Config, tracked, metrics: dict[str, dict], text: str
     overrides = params_overrides(tracked.root)
     tracked.log_pipeline(pipeline_metrics(metrics), {
         **stage_view.pipeline_params(cfg, pipeline_params(tracked.root)),
-        "overrides": "; ".join(f"{key}={value}" for key, value in sorted(overrides.items())) or "none"}, text)
+        "overrides": "; ".join(f"{key}={value}" for key, value in sorted(overrides.items())) or "none"},
+        described_in_mlflow(text, tracked.parent_id))
     tracked.log_pipeline_artifact(Path(cfg.report.out_dir), "report")
     tracked.link_cached_stages()  # stages DVC skipped this time still show under this pipeline run
     with tempfile.TemporaryDirectory() as lineage:  # what `eagle3ops reproduce` needs, passwords masked
