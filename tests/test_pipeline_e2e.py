@@ -422,9 +422,10 @@ def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, br
     link = re.search(r"http://127\.0\.0\.1:5000(\S*)", (repo / "reports" / "summary.md").read_text()).group(1)
     assert link == f"/#/experiments/{experiment_id}/runs?viewStateShareKey=eagle3ops&workflowType=machine_learning"
 
-    # the saved view: the pipeline runs with tau per drafter and the overrides as columns, at first sight
-    text = shown(browser, mlflow_ui + link, "Run Name", "lr-1e-3", first.name, "tau/scratch", "tau/warm_start",
-                 "overrides")
+    # the saved view: the pipeline runs with tau per drafter and the overrides as columns, at first sight (once
+    # the assistant's side panel is closed, the overrides column is in the window too)
+    text = shown(browser, mlflow_ui + link, "Run Name", "lr-1e-3", first.name, "tau/scratch", "tau/warm_start")
+    WebDriverWait(browser, 30).until(lambda d: "overrides" in d.find_element(By.TAG_NAME, "body").text)
     assert f"/#/experiments/{experiment_id}/runs?" in browser.current_url  # not sent on to the GenAI overview
     screenshot(browser, "mlflow-runs", tmp_path)
 

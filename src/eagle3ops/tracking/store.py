@@ -126,12 +126,12 @@ EXPERIMENT_TAGS = {
 
 # The runs table the report's link opens: a saved view of MLflow 3 (an experiment tag
 # mlflow.sharedViewState.KEY, opened by ?viewStateShareKey=KEY; no URL parameter picks columns). The pipeline runs
-# alone, newest first, with tau per drafter (the decoder's, vLLM's, sampled) and the overrides as columns beside
+# alone, newest first, with tau per drafter (the decoder's and vLLM's) and the overrides as columns beside
 # the name, creation time and duration MLflow always shows.
 RUNS_VIEW_KEY = "eagle3ops"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 RUNS_VIEW_STATE = {
-    "selectedColumns": [f"metrics.`{kind}/{drafter}`" for kind in ("tau", "tau_vllm", "tau_sampled")
+    "selectedColumns": [f"metrics.`{kind}/{drafter}`" for kind in ("tau", "tau_vllm")
                         for drafter in ("baseline", "scratch", "warm_start")] + ["params.`overrides`"],
     "searchFilter": f"tags.`{ROLE_TAG}` = 'pipeline'",
     "orderByKey": "attributes.start_time",
