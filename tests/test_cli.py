@@ -79,6 +79,14 @@ def test_help_loads_no_stage_and_no_heavy_library():
     assert not [name for name in loaded if name.startswith("eagle3ops.stages.") or name in ("torch", "mlflow")]
 
 
+def test_the_bench_renders_its_tables_without_mlflow():
+    """The GPU machines the bench runs on may have no MLflow: its report module must not need it."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys\nimport eagle3ops.benchmark.report\n"
+                             "import eagle3ops.reporting.summary\nprint('mlflow' in sys.modules)"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == ["False"]
+
+
 def test_help_and_version_without_package_metadata(monkeypatch, capsys):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)

@@ -10,7 +10,6 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from eagle3ops.config import EvalDrafter, TrainInit
-from eagle3ops.tracking.store import RUNS_VIEW_KEY
 
 # The pipeline's stages whose metrics the report reads (the zoo stands in for models a user already has)
 STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
@@ -300,6 +299,8 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
     opens the experiment's runs table in the model-training view (MLflow 3's UI opens experiments on its GenAI
     pages unless the link or the user's last choice says otherwise) through the saved view the pipeline keeps on
     the experiment: pipeline runs with tau per drafter as columns (tracking/store.py, RUNS_VIEW_STATE)."""
+    from eagle3ops.tracking.store import RUNS_VIEW_KEY  # here: the bench renders its tables without MLflow
+
     page = (f"/#/experiments/{experiment_id}/runs?viewStateShareKey={RUNS_VIEW_KEY}&workflowType=machine_learning"
             if experiment_id else "")
     if tracking_uri.startswith(("http://", "https://")):
