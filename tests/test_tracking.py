@@ -217,6 +217,32 @@ def test_queued_experiments_record_into_the_repository_store(monkeypatch) -> Non
     assert tracking_uri(Config()) == "sqlite:////srv/project/mlflow.db"
 
 
+def test_a_temp_experiment_is_its_own_project_and_records_into_the_repositorys_store(tmp_path) -> None:
+    """`dvc exp run --temp` runs the stages in a copy under <repo>/.dvc/tmp/exps/ with DVC_ROOT the original's:
+    a stage there reads the copy's params.yaml (it is no one-off run) and records into the repository's store."""
+    import sys
+
+    from helpers import run
+
+    script = ("import json, sys\nfrom pathlib import Path\nfrom eagle3ops.config import Config\n"
+              "from eagle3ops.tracking.store import project_root, tracking_uri\n"
+              "root = project_root()\njson.dump({'root': str(root), 'cwd': str(Path.cwd()), 'uri': tracking_uri(Config()),"
+              " 'own_params': Path('params.yaml').resolve() == (root / 'params.yaml').resolve()}, open('where.json', 'w'))\n")
+    (tmp_path / "where.py").write_text(script)
+    (tmp_path / "params.yaml").write_text("a: 1\n")
+    (tmp_path / "dvc.yaml").write_text(f"stages:\n  where:\n    cmd: {sys.executable} where.py\n    deps: [where.py]\n"
+                                       "    params: [a]\n    metrics: [{where.json: {cache: false}}]\n")
+    for command in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "repro", "-q"], ["git", "add", "-A"],
+                    ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "base"],
+                    ["dvc", "exp", "run", "-q", "--temp", "-n", "copy", "-S", "a=2"]):
+        run(command, tmp_path)
+    assert json.loads((tmp_path / "where.json").read_text())["root"] == str(tmp_path)  # the workspace untouched
+    ref = run(["git", "for-each-ref", "refs/exps", "--format=%(refname)"], tmp_path).split()[0]
+    where = json.loads(run(["git", "show", f"{ref}:where.json"], tmp_path))
+    assert where["root"] == where["cwd"] and where["root"].startswith(f"{tmp_path}/.dvc/tmp/exps/")
+    assert where["own_params"] and where["uri"] == f"sqlite:///{tmp_path}/mlflow.db"
+
+
 def test_report_points_at_the_right_ui():
     """A tracking server is its own UI; a local store needs `mlflow ui` started on it."""
     assert mlflow_ui_hint("http://mlflow.team:5000") == "open http://mlflow.team:5000"

@@ -39,8 +39,14 @@ ROLE_TAG = "eagle3ops.role"  # "pipeline" on the parent, "stage" on children: bo
 
 
 def project_root() -> Path:
-    """The repository root: DVC's when a stage runs under it, else the working directory."""
-    return Path(os.environ.get("DVC_ROOT") or os.getcwd()).absolute()
+    """The repository root: DVC's when a stage runs under it, else the working directory. A `dvc exp run --temp`
+    experiment runs its stages in a copy under <DVC_ROOT>/.dvc/tmp/exps/ with DVC_ROOT still the original's: there
+    the root is the copy's (its params.yaml, dvc.yaml and outputs are the experiment's)."""
+    root, cwd = Path(os.environ.get("DVC_ROOT") or os.getcwd()).absolute(), Path.cwd().absolute()
+    copies = root / ".dvc" / "tmp" / "exps"
+    if cwd.is_relative_to(copies):
+        return next((d for d in (cwd, *cwd.parents) if d.is_relative_to(copies) and (d / "dvc.yaml").is_file()), root)
+    return root
 
 
 def store_root(root: Path) -> Path:
