@@ -342,13 +342,14 @@ def command(store: str, experiment: str, filter_string: str, run_ids: Sequence[s
     id that selects nothing it can read, InputError when no run matches, fs.NotOursError (before reading a run)
     when `out` holds anything but a comparison."""
     check_output(out, COMPARISON)
+    client = MlflowClient(store)
     try:
-        records = select_pipelines(MlflowClient(store), experiment, filter_string, run_ids, hardware, variants,
+        records = select_pipelines(client, experiment, filter_string, run_ids, hardware, variants,
                                    last or (None if run_ids else DEFAULT_LAST))
     except (InputError, MlflowException) as err:  # a bad filter or run id
         raise UsageError(str(err)) from None
     skipped = [] if run_ids else unfinished_pipelines(
-        MlflowClient(store), experiment, filter_string, min((r.start_time for r in records), default=0))
+        client, experiment, filter_string, min((r.start_time for r in records), default=0))
     if skipped:
         print(f"eagle3ops compare: left out {len(skipped)} pipeline run(s) not finished (compare them by id with "
               f"--runs): {'; '.join(skipped)}", file=sys.stderr)

@@ -82,13 +82,17 @@ def find_pipelines(client: MlflowClient, experiment: str = "eagle3ops", filter_s
                    max_results: int = 100) -> list[PipelineRecord]:
     """Pipeline runs of an experiment, newest first; `filter_string` is MLflow search syntax over the parent
     runs (e.g. "tags.`eagle3ops.pipeline_key` = 'lr-sweep-1'")."""
+    return [load_pipeline(client, p.info.run_id) for p in _pipeline_runs(client, experiment, filter_string, max_results)]
+
+
+def _pipeline_runs(client: MlflowClient, experiment: str, filter_string: str, max_results: int) -> list:
+    """The parent runs of an experiment's pipelines matching `filter_string`, newest first."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return []
     query = f"tags.`{ROLE_TAG}` = 'pipeline'" + (f" and {filter_string}" if filter_string else "")
-    parents = client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"],
-                                 max_results=max_results)
-    return [load_pipeline(client, p.info.run_id) for p in parents]
+    return client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"],
+                              max_results=max_results)
 
 
 FINISHED = "attributes.status = 'FINISHED'"
@@ -100,12 +104,8 @@ UNFINISHED_WHY = {"RUNNING": "a stage is running, or the run stopped before its 
 def unfinished_pipelines(client: MlflowClient, experiment: str, filter_string: str, since_ms: int) -> list[str]:
     """'NAME (STATUS: why)' for each pipeline run started at or after `since_ms` that is not FINISHED, newest
     first: what a selection of the newest finished runs left out."""
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        return []
-    query = (f"tags.`{ROLE_TAG}` = 'pipeline' and attributes.status != 'FINISHED' and attributes.start_time >= "
-             f"{since_ms}" + (f" and {filter_string}" if filter_string else ""))
-    runs = client.search_runs([found.experiment_id], query, order_by=["attributes.start_time DESC"], max_results=20)
+    query = f"attributes.status != 'FINISHED' and attributes.start_time >= {since_ms}"
+    runs = _pipeline_runs(client, experiment, f"{query} and {filter_string}" if filter_string else query, 20)
     return [f"{run.info.run_name} ({run.info.status}: {UNFINISHED_WHY.get(run.info.status, 'not finished')})"
             for run in runs]
 
