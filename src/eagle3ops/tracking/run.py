@@ -319,8 +319,7 @@ def stage_run(
         # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
         artifacts = (store_root(root) / "mlruns").as_uri() if uri == default_uri(root) else None
         experiment_id = find_or_create_experiment(client, cfg.mlflow.experiment, artifacts)
-        parent_id = find_or_create_parent_run(client, experiment_id, key, name, shared)
-        client.update_run(parent_id, "RUNNING")
+        parent_id = find_or_create_parent_run(client, experiment_id, key, name, shared, running=True)
         stamp_finished_stages(client, experiment_id, root)
         tag_experiment_commits(client, experiment_id, root)
         # named after its pipeline run too: charts over several pipeline runs tell their stage runs apart

@@ -183,9 +183,10 @@ def find_or_create_experiment(client: MlflowClient, name: str, artifact_location
 
 
 def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str, name: str, tags: dict[str, str],
-                              start_time: int | None = None) -> str:
-    """The pipeline's parent run (a one-off run's, when `tags` give the role one_off), created FINISHED on first
-    use, at `start_time` (ms; a stage recorded elsewhere and synced later) or now."""
+                              start_time: int | None = None, running: bool = False) -> str:
+    """The pipeline's parent run (a one-off run's, when `tags` give the role one_off), created on first use at
+    `start_time` (ms; a stage recorded elsewhere and synced later) or now; RUNNING with `running` (a stage of it
+    starts), else FINISHED."""
     role = tags.get(ROLE_TAG, "pipeline")
     found = client.search_runs(
         [experiment_id],
@@ -197,9 +198,12 @@ def find_or_create_parent_run(client: MlflowClient, experiment_id: str, key: str
         run_id = found[0].info.run_id
         for tag, value in tags.items():
             client.set_tag(run_id, tag, value)
+        if running and found[0].info.status != "RUNNING":
+            client.update_run(run_id, "RUNNING")
         return run_id
     run = client.create_run(experiment_id, start_time=start_time, run_name=name, tags={ROLE_TAG: role, **tags})
-    client.set_terminated(run.info.run_id, "FINISHED", start_time)
+    if not running:
+        client.set_terminated(run.info.run_id, "FINISHED", start_time)
     return run.info.run_id
 
 
