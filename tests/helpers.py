@@ -150,7 +150,8 @@ def commit(repo: Path, message: str) -> None:
 
 def micro_pipeline_repo(repo: Path) -> Path:
     """A git + DVC repository at `repo` as a fresh clone of the project would be (src/, dvc.yaml, .gitignore and
-    the tracked .dvc/config: default remote, cache link type), with the micro params, committed; nothing run."""
+    the tracked .dvc/config: default remote, cache link type, plots page; .dvc/plots/: the plots' template and
+    page), with the micro params, committed; nothing run."""
     shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("dvc.yaml", ".gitignore"):
         shutil.copy(ROOT / name, repo / name)
@@ -158,6 +159,7 @@ def micro_pipeline_repo(repo: Path) -> Path:
     run(["git", "init", "-q"], repo)
     run(["dvc", "init", "-q"], repo)
     shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
     commit(repo, "micro pipeline")
     return repo
 

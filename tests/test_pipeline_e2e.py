@@ -23,8 +23,10 @@ import yaml
 from mlflow import MlflowClient
 from safetensors.torch import load_file, save_file
 
+from eagle3ops.config import EvalDrafter
 from eagle3ops.decoding.engines import vllm_counters
 from eagle3ops.formats.export import export_drafter
+from eagle3ops.reporting.summary import COLORS
 from eagle3ops.runs.records import find_pipelines
 from eagle3ops.serving.server import free_port
 from helpers import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
@@ -368,7 +370,8 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--disable-background-networking", "--disable-extensions", "--window-size=1500,950"):
+                 "--disable-background-networking", "--disable-extensions", "--window-size=1500,950",
+                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):  # offline, as a cluster's node is
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     try:
@@ -464,6 +467,28 @@ def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, br
     assert f"Version {champion.version}" in row.text and champion.tags["tau"] in row.text, row.text
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
     screenshot(browser, "mlflow-model", tmp_path)
+
+
+def test_dvc_plots_show_draws_every_chart_offline(repo, first_run, browser, tmp_path):
+    """`dvc plots show` as the README gives it, opened in Chromium with no name resolving (no CDN): the four
+    designed charts drawn, axes titled, scratch and warm_start in the report's colours; the report's two PNGs."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    run(["dvc", "plots", "show"], repo)
+    browser.get((repo / "dvc_plots" / "index.html").as_uri())
+    charts = browser.find_elements(By.CLASS_NAME, "vega-embed")
+    assert len(charts) == 4
+    WebDriverWait(browser, 30).until(lambda d: all(c.find_elements(By.TAG_NAME, "svg") for c in charts))
+    text = browser.find_element(By.TAG_NAME, "body").text
+    for title in ("acceptance by draft position", "share of verifications accepting it", "optimizer step",
+                  "loss (TTT steps, weighted)", "simulated τ", "warm_start"):
+        assert title in text, title
+    strokes = {path.get_attribute("stroke") for path in browser.find_elements(By.CSS_SELECTOR, ".vega-embed path")}
+    assert {COLORS[EvalDrafter.scratch], COLORS[EvalDrafter.warm_start]} <= strokes
+    assert [image.get_attribute("naturalWidth") != "0" for image in browser.find_elements(By.TAG_NAME, "img")] == [
+        True, True]
+    screenshot(browser, "dvc-plots", tmp_path)
 
 
 def test_online_training_on_the_zoo_is_the_offline_run(repo, first_run):
