@@ -410,3 +410,12 @@ def test_the_description_fetches_the_figure_from_the_runs_artifacts():
     assert described_in_mlflow(report, "abc123") == (
         "## tau per set\n\n![tau by set](get-artifact?path=report/tau_by_set.png&run_uuid=abc123)\n\n## Stage timings\n")
     assert described_in_mlflow(report, None) == "## tau per set\n\n\n## Stage timings\n"  # recorded offline
+
+
+def test_the_descriptions_table_cells_are_padded():
+    from eagle3ops.reporting.summary import described_in_mlflow
+
+    table = "text | with a bar\n| drafter   |   tau |\n|:----------|------:|\n| baseline  | 1.107 |\n"
+    assert described_in_mlflow(table, "abc123") == (
+        "text | with a bar\n|&nbsp;drafter&nbsp;&nbsp;|&nbsp;tau&nbsp;&nbsp;|\n|:----------|------:|\n"
+        "|&nbsp;baseline&nbsp;&nbsp;|&nbsp;1.107&nbsp;&nbsp;|\n")

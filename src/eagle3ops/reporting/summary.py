@@ -287,11 +287,24 @@ TAU_BY_SET_PNG = "tau_by_set.png"  # beside summary.md in report.out_dir, and un
 
 def described_in_mlflow(report: str, run_id: str | None) -> str:
     """The report as the pipeline run's description: its figure fetched from the run's own artifacts (a path
-    relative to summary.md means nothing on the MLflow page), or left out where the run is not known yet."""
+    relative to summary.md means nothing on the MLflow page), or left out where the run is not known yet; its
+    tables' cells padded with non-breaking spaces (MLflow draws tables with no cell padding and lets no style
+    through, so "0.107" and "0.000" of neighbouring cells ran together)."""
     image = f"![tau by set]({TAU_BY_SET_PNG})"
     if run_id is None:
-        return report.replace(image + "\n", "")
-    return report.replace(image, f"![tau by set](get-artifact?path=report/{TAU_BY_SET_PNG}&run_uuid={run_id})")
+        report = report.replace(image + "\n", "")
+    else:
+        report = report.replace(image, f"![tau by set](get-artifact?path=report/{TAU_BY_SET_PNG}&run_uuid={run_id})")
+    return "\n".join(_padded_cells(line) for line in report.split("\n"))
+
+
+def _padded_cells(line: str) -> str:
+    """A markdown table row with each cell between non-breaking spaces; other lines (the |---| rule too) as they
+    are."""
+    if not line.startswith("|") or set(line) <= set("|:- "):
+        return line
+    cells = line.strip().strip("|").split("|")
+    return "|" + "|".join(f"&nbsp;{cell.strip()}&nbsp;&nbsp;" for cell in cells) + "|"
 
 
 def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
@@ -325,7 +338,7 @@ def _served_section(metrics: dict[str, dict]) -> list[str]:
 def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
-    lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts (successor target)", "",
+    lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts", "",
              markdown_table(acceptance, ".3f"), "",
              "tau = 1 + accepted drafts / verification steps (k drafts per step, bonus token included), at each "
              "sampling temperature T measured: eval.temperature (the primary measurement: the greedy output checked "
