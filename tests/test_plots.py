@@ -24,7 +24,9 @@ def test_only_the_designed_charts_are_plots():
     """A plots file a stage declares gets a default chart of its own (its last column against the row number)
     besides the designed one; the curves are plain outputs."""
     for name, stage in dvc_yaml()["stages"].items():
-        assert "plots" not in stage.get("do", stage), name
+        stage = stage.get("do", stage)
+        assert "plots" not in stage, name
+        assert not any(str(metric).endswith(".csv") for metric in stage.get("metrics", [])), name  # nor metrics
     designed = [plot for plot in dvc_yaml()["plots"] if isinstance(plot, dict)]
     assert len(designed) == 4
     for plot in designed:
