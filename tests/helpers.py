@@ -110,10 +110,9 @@ MICRO = [
 ]
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fail: bool = False) -> str:
-    """Run `cmd` with this venv's `dvc` and `eagle3ops` first on PATH and no tracking URI from outside; `env`
-    sets variables (None removes one). Returns stdout + stderr; the test fails unless it exits 0 (with `fail`:
-    unless it fails)."""
+def command_env(env: dict[str, str | None] | None = None) -> dict[str, str]:
+    """The environment `run` gives a command: this venv first on PATH, no tracking URI from outside, then `env`
+    (None removes a variable)."""
     full = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     full.pop("MLFLOW_TRACKING_URI", None)
     for name, value in (env or {}).items():
@@ -121,7 +120,14 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fai
             full.pop(name, None)
         else:
             full[name] = value
-    done = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=1200,
+    return full
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fail: bool = False) -> str:
+    """Run `cmd` with this venv's `dvc` and `eagle3ops` first on PATH and no tracking URI from outside; `env`
+    sets variables (None removes one). Returns stdout + stderr; the test fails unless it exits 0 (with `fail`:
+    unless it fails)."""
+    done = subprocess.run(cmd, cwd=cwd, env=command_env(env), capture_output=True, text=True, timeout=1200,
                           stdin=subprocess.DEVNULL)
     output = done.stdout + done.stderr
     assert (done.returncode != 0) == fail, f"{' '.join(cmd)} exited {done.returncode}:\n{output[-8000:]}"

@@ -13,9 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.request import Request, urlopen
 
+import dvc.api
 import pandas as pd
 import pytest
 import torch
@@ -29,7 +31,7 @@ from eagle3ops.formats.export import export_drafter
 from eagle3ops.reporting.summary import COLORS
 from eagle3ops.runs.records import find_pipelines
 from eagle3ops.serving.server import free_port
-from helpers import ROOT, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
+from helpers import ROOT, command_env, commit, micro_pipeline_repo, ran_stages, run, wait_for_http, write_params
 
 ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]  # as DVC names them
@@ -301,18 +303,21 @@ def test_the_documented_views_of_the_experiments_fit_a_terminal(repo, first_run)
 
 
 def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo, first_run):
-    """DVC removes a stage's outputs before it runs it. A bad value then fails train@scratch: its metrics and
-    plots are put back at once, and its drafter comes back with `dvc checkout`, as the message says. A missing
+    """DVC removes a stage's outputs before it runs it. A bad value then fails train@scratch: its metrics are
+    put back at once, and its drafter and curves come back with `dvc checkout`, as the message says. A missing
     drafter fails train@warm_start before its command starts: with the change undone, `dvc repro` brings back
     the last run's outputs from DVC's run cache without re-running the stage."""
-    kept = {path: (repo / path).read_bytes() for path in ("metrics/train-scratch.json", "plots/train-scratch.csv")}
+    cached = ("models/drafters/scratch", "plots/train-scratch.csv", "plots/sim-scratch.csv")
+    kept = {"metrics/train-scratch.json": (repo / "metrics" / "train-scratch.json").read_bytes()}
+    curves = (repo / "plots" / "train-scratch.csv").read_bytes()
     drafter = lock_md5(repo, "train@scratch", "models/drafters/scratch")
     write_params(repo, ["train.lr=fast"])
     output = run(["dvc", "repro"], repo, fail=True)
-    assert "key 'train.lr'" in output and "`dvc checkout models/drafters/scratch` restores" in output, output
+    assert "key 'train.lr'" in output and f"`dvc checkout {' '.join(cached)}` restores" in output, output
     assert {path: (repo / path).read_bytes() for path in kept} == kept
-    assert not (repo / "models" / "drafters" / "scratch").exists()
-    run(["dvc", "checkout", "models/drafters/scratch"], repo)
+    assert not any((repo / path).exists() for path in cached)
+    run(["dvc", "checkout", *cached], repo)
+    assert (repo / "plots" / "train-scratch.csv").read_bytes() == curves
     write_params(repo, [])
     status = run(["dvc", "status", "train@scratch"], repo)  # the stage and those it depends on
     assert "Data and pipelines are up to date" in status, status
@@ -414,7 +419,8 @@ def screenshot(driver, name: str, tmp_path: Path) -> Path:
 def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, browser, tmp_path):
     """After the first run and the lr experiment, in Chromium against `mlflow ui`: the link the report gives opens
     the experiment's runs table; a pipeline run's page shows tau per drafter; the compare view of two pipeline runs
-    shows the param that differs; the model page shows the champion with its tau."""
+    shows the param that differs; the model page shows the champion with its tau; an experiment's pipeline run is
+    "Running" while its stages run and "Finished" after its report."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -468,6 +474,25 @@ def test_the_mlflow_ui_shows_what_a_user_compares(repo, first_run, mlflow_ui, br
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
     screenshot(browser, "mlflow-model", tmp_path)
 
+    # while an experiment's stages run (export serves on vLLM, then the report), its pipeline run says so
+    experiment = subprocess.Popen(["dvc", "exp", "run", "--temp", "-n", "export-scratch", "-S", "export.drafter=scratch"],
+                                  cwd=repo, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (found := store.search_runs([experiment_id], "tags.`eagle3ops.role` = 'pipeline' and "
+                                              "tags.`eagle3ops.pipeline_key` = 'export-scratch'")):
+            assert experiment.poll() is None and time.monotonic() < deadline, experiment.communicate()[0][-4000:]
+            time.sleep(0.5)
+        run_page = f"{mlflow_ui}/#/experiments/{experiment_id}/runs/{found[0].info.run_id}?workflowType=machine_learning"
+        assert re.search(r"^Status\s+Running$", shown(browser, run_page, "Running"), re.MULTILINE)
+        screenshot(browser, "mlflow-running", tmp_path)
+    finally:
+        output = experiment.communicate(timeout=1200)[0]
+    assert experiment.returncode == 0, output[-4000:]
+    browser.get("about:blank")  # the same address again would not load the page anew
+    assert re.search(r"^Status\s+Finished$", shown(browser, run_page, "Finished"), re.MULTILINE)
+
 
 def test_dvc_plots_show_draws_every_chart_offline(repo, first_run, browser, tmp_path):
     """`dvc plots show` as the README gives it, opened in Chromium with no name resolving (no CDN): the four
@@ -500,7 +525,7 @@ def test_online_training_on_the_zoo_is_the_offline_run(repo, first_run):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]  # it keeps extract@offline's last entry
     assert "data/features" not in {dep["path"] for dep in lock["train@scratch"]["deps"]}
     for init in ("scratch", "warm_start"):
-        offline = pd.read_csv(io.StringIO(run(["git", "show", f"HEAD:plots/train-{init}.csv"], repo)))
+        offline = pd.read_csv(io.StringIO(dvc.api.read(f"plots/train-{init}.csv", repo=str(repo), rev="HEAD")))
         online = pd.read_csv(repo / "plots" / f"train-{init}.csv")
         assert list(online["step"]) == list(offline["step"])
         assert online["train/loss"].tolist() == pytest.approx(offline["train/loss"].tolist(), rel=1e-6), init

@@ -27,6 +27,8 @@ def test_only_the_designed_charts_are_plots():
         stage = stage.get("do", stage)
         assert "plots" not in stage, name
         assert not any(str(metric).endswith(".csv") for metric in stage.get("metrics", [])), name  # nor metrics
+        for out in stage.get("outs", []):  # cached: with an uncached one, DVC's run cache would skip the stage
+            assert not (isinstance(out, dict) and str(next(iter(out))).startswith("plots/")), (name, out)
     designed = [plot for plot in dvc_yaml()["plots"] if isinstance(plot, dict)]
     assert len(designed) == 4
     for plot in designed:
