@@ -289,13 +289,17 @@ def described_in_mlflow(report: str, run_id: str | None) -> str:
     """The report as the pipeline run's description: its figure fetched from the run's own artifacts (a path
     relative to summary.md means nothing on the MLflow page), or left out where the run is not known yet; its
     tables' cells padded with non-breaking spaces (MLflow draws tables with no cell padding and lets no style
-    through, so "0.107" and "0.000" of neighbouring cells ran together)."""
+    through, so "0.107" and "0.000" of neighbouring cells ran together) where the padded report still fits
+    MLflow's tag limit, which would cut it short."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH  # here: the bench renders its tables without MLflow
+
     image = f"![tau by set]({TAU_BY_SET_PNG})"
     if run_id is None:
         report = report.replace(image + "\n", "")
     else:
         report = report.replace(image, f"![tau by set](get-artifact?path=report/{TAU_BY_SET_PNG}&run_uuid={run_id})")
-    return "\n".join(_padded_cells(line) for line in report.split("\n"))
+    padded = "\n".join(_padded_cells(line) for line in report.split("\n"))
+    return padded if len(padded) <= MAX_TAG_VAL_LENGTH else report
 
 
 def _padded_cells(line: str) -> str:
@@ -304,7 +308,7 @@ def _padded_cells(line: str) -> str:
     if not line.startswith("|") or set(line) <= set("|:- "):
         return line
     cells = line.strip().strip("|").split("|")
-    return "|" + "|".join(f"&nbsp;{cell.strip()}&nbsp;&nbsp;" for cell in cells) + "|"
+    return "|" + "|".join(f"&nbsp;{cell.strip()}&nbsp;" for cell in cells) + "|"
 
 
 def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
