@@ -82,6 +82,36 @@ def test_server_down_from_the_start(workspace, capsys):
     assert "hardware.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
+@pytest.mark.service
+def test_a_temp_experiments_runs_wait_in_the_repositorys_outbox(workspace, monkeypatch):
+    """`dvc exp run --temp` runs the stages in a copy under <repo>/.dvc/tmp/exps/ that DVC deletes once it ends: a
+    run the server could not take waits in the repository's outbox, its files there still after the copy is gone."""
+    root, server, cfg = workspace
+    copy = root / ".dvc" / "tmp" / "exps" / "tmpq8k2"
+    (copy / "drafter").mkdir(parents=True)
+    (copy / "drafter" / "config.json").write_text('{"copy": true}')
+    (copy / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(copy)
+    monkeypatch.setenv("DVC_ROOT", str(root))
+    with stage_run(cfg, "train", variant="scratch") as run:
+        run.log_metrics({"train/loss": 1.5})
+        run.log_artifact(copy / "drafter", "drafter")
+    assert not (copy / ".eagle3ops").exists()
+    shutil.rmtree(copy)
+
+    monkeypatch.chdir(root)
+    (entry,) = pending(root)
+    server.start()
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    assert not pending(root)
+    client = MlflowClient(server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
+                                "tags.`eagle3ops.role` = 'stage'")
+    assert run.data.metrics["train/loss"] == 1.5
+    local = client.download_artifacts(run.info.run_id, "drafter/config.json", str(root))
+    assert json.loads(Path(local).read_text()) == {"copy": True}
+
+
 def free_port_naming_401() -> int:
     for port in range(40100, 40200):
         with socket.socket() as probe:

@@ -152,7 +152,9 @@ class StageRun:
 
     def go_offline(self, error: BaseException) -> None:
         if self.outbox is None:
-            self.outbox = Outbox(self.root, {**self._record, "run_id": self.run_id, "parent_id": self.parent_id})
+            # the repository's outbox: a --temp or queued experiment's copy is deleted once it ends
+            self.outbox = Outbox(store_root(self.root), {**self._record, "run_id": self.run_id,
+                                                         "parent_id": self.parent_id})
             what = ("MLflow refused the credentials (check MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
                     if credentials_refused(error) else "MLflow unreachable")
             print(f"eagle3ops: {what} ({type(error).__name__}: {str(error)[:200]}); recording this run "
