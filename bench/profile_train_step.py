@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from eagle3ops.benchmark.sizes import SIZES
-from eagle3ops.benchmark.training import bench_train, draft_config, packed_documents
+from eagle3ops.benchmark.training import attention_flops, bench_train, draft_config, packed_documents, train_step_flops
 
 # first match wins; Inductor names its generated kernels triton_{poi,red,per,tem}_...
 KINDS = [("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas", re.I)),
@@ -51,8 +51,15 @@ def profile_row(length: int, steps: int) -> dict:
         by_kind[kind_of(name)] += ms
     total = sum(by_kernel.values())
     top = sorted(by_kernel.items(), key=lambda item: -item[1])[:15]
+    # what each kind of kernel achieves: the matrix products' FLOPs (all but the attention's) over their time, the
+    # attention's over the flex kernels'; the step's time beyond its kernels is the GPU waiting for the host
+    attention = attention_flops(cfg, 1, documents, 7)
+    products = train_step_flops(cfg, 1, documents, 7) - attention
+    achieved = {kind: flops / by_kind[kind] / 1e9 if by_kind[kind] else None
+                for kind, flops in (("matmul", products), ("flex attention", attention))}
     return {"length": length, "documents": len(documents), "step_ms": bench.step_ms, "mfu_tflops": bench.tflops,
-            "gpu_ms_a_step": total, "by_kind_ms": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+            "gpu_ms_a_step": total, "gpu_idle_ms_a_step": bench.step_ms - total,
+            "achieved_tflops": achieved, "by_kind_ms": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
             "top_kernels_ms": [{"kernel": name[:120], "ms": ms, "kind": kind_of(name)} for name, ms in top]}
 
 
@@ -67,7 +74,8 @@ def main() -> None:
         row = profile_row(length, args.steps)
         rows.append(row)
         print(f"\n1 x {length} ({row['documents']} documents): step {row['step_ms']} ms, "
-              f"{row['mfu_tflops']:.0f} TFLOP/s, GPU kernels {row['gpu_ms_a_step']:.1f} ms a step")
+              f"{row['mfu_tflops']:.0f} TFLOP/s, GPU kernels {row['gpu_ms_a_step']:.1f} ms a step; achieved TFLOP/s: "
+              + ", ".join(f"{kind} {tflops:.0f}" for kind, tflops in row["achieved_tflops"].items() if tflops))
         print("| kind | ms a step | share |\n|---|---:|---:|")
         for kind, ms in row["by_kind_ms"].items():
             print(f"| {kind} | {ms:.1f} | {ms / row['gpu_ms_a_step']:.0%} |")

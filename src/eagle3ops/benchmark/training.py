@@ -30,15 +30,22 @@ def draft_config(architecture: dict, draft_vocab_size: int) -> DraftConfig:
 def train_step_flops(cfg: DraftConfig, batch: int, documents: list[int], ttt_steps: int) -> float:
     """FLOPs of one optimizer step on `batch` rows each packed with `documents` (their lengths): forward + backward
     (2x) of the drafter per TTT step, the fc once, and the target's logits (forward only: the full vocabulary for the
-    argmax, the draft rows for the distribution). Attention counts the causal pairs within each document only."""
+    argmax, the draft rows for the distribution). Attention counts the causal pairs within each document only
+    (`attention_flops`); the rest is matrix products."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_width, kv_width = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     per_token = 2 * (2 * H * (q_width + 2 * kv_width) + q_width * H + 3 * H * I + H * cfg.draft_vocab_size)
     tokens = batch * sum(documents)
-    attention = batch * 2 * 2 * q_width * sum(n * n / 2 for n in documents)  # scores and values over causal pairs
-    drafter = 3 * ttt_steps * (tokens * per_token + attention) + 3 * tokens * 2 * 3 * cfg.target_hidden_size * H
+    drafter = 3 * ttt_steps * tokens * per_token + 3 * tokens * 2 * 3 * cfg.target_hidden_size * H
     target = tokens * 2 * cfg.target_hidden_size * (cfg.vocab_size + cfg.draft_vocab_size)
-    return drafter + target
+    return drafter + target + attention_flops(cfg, batch, documents, ttt_steps)
+
+
+def attention_flops(cfg: DraftConfig, batch: int, documents: list[int], ttt_steps: int) -> float:
+    """The attention's share of `train_step_flops`: scores and values over the causal pairs of each document,
+    forward + backward (2x) per TTT step."""
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    return 3 * ttt_steps * batch * 2 * 2 * q_width * sum(n * n / 2 for n in documents)
 
 
 @dataclass
