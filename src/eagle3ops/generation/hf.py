@@ -79,6 +79,8 @@ def regenerate(model, tokenizer, conversations: list[dict], batch_size: int, max
     out = [copy.deepcopy(c) for c in conversations]
     turns = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in out]
     eos = tokenizer.eos_token_id
+    # left padding, masked out: a tokenizer without a pad token (SmolLM2's, Llama's) pads with its end of sequence
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     start = time.perf_counter()
     with nullcontext(bar) if bar is not None else progress(sum(map(len, turns)), "generate", "turn") as bar:
         for depth in range(max(map(len, turns), default=0)):
@@ -88,7 +90,7 @@ def regenerate(model, tokenizer, conversations: list[dict], batch_size: int, max
             for first in range(0, len(todo), batch_size):
                 chunk = todo[first : first + batch_size]
                 width = max(len(prompts[item]) for item in chunk)
-                ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+                ids = torch.full((len(chunk), width), pad, dtype=torch.long)
                 mask = torch.zeros_like(ids)
                 for row, item in enumerate(chunk):  # left padding: every row ends where generation starts
                     ids[row, width - len(prompts[item]) :] = torch.tensor(prompts[item])
@@ -96,7 +98,7 @@ def regenerate(model, tokenizer, conversations: list[dict], batch_size: int, max
                 generated = model.generate(
                     input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
                     do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None,
-                    top_k=None, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                    top_k=None, eos_token_id=eos, pad_token_id=pad,
                 )[:, width:].cpu()
                 stats.decode_steps += generated.shape[1]
                 for row, (c, t) in enumerate(chunk):
