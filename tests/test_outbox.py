@@ -112,6 +112,43 @@ def test_a_temp_experiments_runs_wait_in_the_repositorys_outbox(workspace, monke
     assert json.loads(Path(local).read_text()) == {"copy": True}
 
 
+@pytest.mark.service
+def test_a_pipeline_run_on_past_a_failed_stage_ends_finished_once_synced(workspace, monkeypatch):
+    """As online: a stage that fails marks the pipeline run FAILED, and the pipeline run on past it (the failed
+    stage fixed and run again, on to the report) ends FINISHED; a failed stage synced after the report (a record
+    from an earlier attempt, carried late) does not mark it FAILED again."""
+    root, server, cfg = workspace
+    monkeypatch.setenv("DVC_EXP_NAME", "again")
+    with pytest.raises(RuntimeError), stage_run(cfg, "generate"):
+        raise RuntimeError("pad token")
+    (failed,) = pending(root)
+    late = root / "late-entry"
+    shutil.copytree(failed, late)
+    server.start()
+    client = MlflowClient(server.uri)
+
+    def pipeline_status() -> str:
+        (parent,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
+                                       "tags.`eagle3ops.role` = 'pipeline'")
+        return parent.info.status
+
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    assert pipeline_status() == "FAILED"
+    server.stop()
+    for stage in ("generate", "report"):
+        with stage_run(cfg, stage):
+            pass
+    server.start()
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    assert pipeline_status() == "FINISHED"
+    shutil.move(late, pending_dir := root / ".eagle3ops" / "outbox" / late.name)
+    record = json.loads((pending_dir / "run.json").read_text())
+    record["run_id"] = None  # an earlier attempt's record, never uploaded
+    (pending_dir / "run.json").write_text(json.dumps(record))
+    assert main(["sync", "--tracking-uri", server.uri]) == 0
+    assert pipeline_status() == "FINISHED"
+
+
 def free_port_naming_401() -> int:
     for port in range(40100, 40200):
         with socket.socket() as probe:

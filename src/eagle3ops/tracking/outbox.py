@@ -364,12 +364,13 @@ def sync(uri: str, root: Path) -> Synced:
                 print(f"eagle3ops sync: {entry.name}: no logged model has the weights its eval measured (sha256 "
                       f"{wanted['sha256'][:12]}); its drafter is not registered", file=sys.stderr)
         client.set_terminated(run_id, record["status"], end_time)
-        # The pipeline run ends with its last stage, and failed if one of its stages did; a stage that went offline
-        # midway left it RUNNING, which, synced after the fact, it no longer is
+        # The pipeline run ends as its latest stage did, as it does online: FAILED with a failed stage, FINISHED
+        # again once the pipeline is run on past it; a stage that went offline midway left it RUNNING, which, synced
+        # after the fact, it no longer is. A stage older than the parent's end (synced late) changes nothing.
         parent = client.get_run(record["parent_id"]).info
-        status = "FAILED" if "FAILED" in (record["status"], parent.status) else "FINISHED"
-        if status != parent.status or (end_time and (parent.end_time or 0) < end_time):
-            client.set_terminated(record["parent_id"], status, max(end_time or 0, parent.end_time or 0) or None)
+        latest = not end_time or not parent.end_time or end_time >= parent.end_time
+        if latest and (record["status"] != parent.status or end_time != parent.end_time):
+            client.set_terminated(record["parent_id"], record["status"], max(end_time or 0, parent.end_time or 0) or None)
         shutil.rmtree(entry)
         done.append(run_id)
     return Synced(done, rejected)
