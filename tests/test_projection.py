@@ -268,6 +268,27 @@ def test_host_floor_and_compile_phase(tmp_path: Path, monkeypatch: pytest.Monkey
     assert own["generate"].seconds == pytest.approx(12.0) and own["train@scratch"].seconds == pytest.approx(28.0)
 
 
+def test_prompts_decoded_together_share_the_passes_and_the_weight_reads() -> None:
+    """eval.batch_size 8: the counters sum over the prompts, a forward serves eight of them; the FLOPs stay."""
+    from eagle3ops.runs.cost_model import TargetShape, _demand
+    from eagle3ops.runs.records import PipelineRecord, StageRecord
+
+    metrics = {"verify_steps": 400, "emitted_tokens": 1000, "sampled/verify_steps": 600, **TARGET}
+
+    def demands(params: dict[str, str]) -> list:
+        stage = StageRecord("eval@scratch", "eval", "scratch", "r", False, metrics, {"eval.k": "3", **params}, {})
+        record = PipelineRecord("p", "p", {}, stages={"eval@scratch": stage})
+        return [_demand(record, phase, stage, TargetShape(30, 576, "config.json"))
+                for phase in ("eval@scratch", "eval@scratch sampled")]
+
+    alone, together = demands({}), demands({"eval.batch_size": "8"})  # a run from before the param: one at a time
+    assert alone == demands({"eval.batch_size": "1"})
+    assert alone[0].layer_passes == (400 + 1000) * 30 + 400 * 3 and alone[1].layer_passes == 600 * (30 + 3)
+    for one, eight in zip(alone, together):
+        assert (eight.layer_passes, eight.hbm_bytes) == pytest.approx((one.layer_passes / 8, one.hbm_bytes / 8))
+        assert eight.flops == one.flops
+
+
 def test_measured_run_comparison(store: Store) -> None:
     projection = pilot_projection(store)
     check = check_against(projection, fetch_pipeline(store.client(), store.measured_id), [store.pilot, store.big])

@@ -109,16 +109,20 @@ def _demand(record: PipelineRecord, phase: str, stage: StageRecord, shape: Targe
         return Demand(flops=6 * counter("draft_params") * counter("train_tokens") * ttt_steps,
                       layer_passes=steps * ttt_steps * TRAIN_PASSES_PER_TTT_STEP)
     k = _param(record, stage, "eval.k")
+    # eval.batch_size prompts decode together: one forward, one read of the weights, one host pass of each layer
+    # for all of them (the counters sum over the prompts); runs recorded before the param decoded one at a time
+    batch = _param(record, stage, "eval.batch_size") if "eval.batch_size" in stage.params else 1.0
     if phase.endswith(" sampled"):  # eval@<drafter> at eval.sampled_temperature: speculative decoding alone
         steps = counter("sampled/verify_steps")
-        return Demand(2 * counter("target_params") * steps * (k + 1), counter("target_bytes") * steps,
-                      layer_passes=steps * (layers + k))
+        return Demand(2 * counter("target_params") * steps * (k + 1), counter("target_bytes") * steps / batch,
+                      layer_passes=steps * (layers + k) / batch)
     steps = counter("verify_steps")  # eval@<drafter>
     # Runs recorded before the emitted_tokens counter: tau = emitted / steps = 1 + accepted / steps.
     emitted = counter("emitted_tokens") if "emitted_tokens" in stage.metrics else steps + counter("accepted_tokens")
     # the target verifies (steps) and decodes the reference (emitted); the one-layer drafter drafts k a step
     return Demand(2 * counter("target_params") * (steps * (k + 1) + emitted),
-                  counter("target_bytes") * (steps + emitted), layer_passes=(steps + emitted) * layers + steps * k)
+                  counter("target_bytes") * (steps + emitted) / batch,
+                  layer_passes=((steps + emitted) * layers + steps * k) / batch)
 
 
 def _train_fixed_s(stage: StageRecord) -> float | None:
