@@ -510,7 +510,15 @@ def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tm
     for init, seed in (("scratch", 1), ("warm_start", 2)):
         torch.manual_seed(seed)
         save_drafter(make_drafter(vocab), tmp_path / "models" / "drafters" / init)
-    (tmp_path / "metrics").mkdir()  # scratch has the higher tau, but changed the target's output
+    (tmp_path / "metrics").mkdir()
+    for init in ("scratch", "warm_start"):  # both changed the target's output: which files, how many prompts, why
+        (tmp_path / "metrics" / f"eval-{init}.json").write_text(
+            '{"tau": 2.5, "lossless": false, "mismatched_prompts": 7, "prompts": 20}')
+    assert main(["export"]) == 1
+    err = capsys.readouterr().err
+    assert "every drafter changed the target's greedy output: metrics/eval-scratch.json (7 of 20 prompts)" in err
+    assert "set export.drafter to scratch or warm_start" in err
+    # scratch has the higher tau, but changed the target's output
     (tmp_path / "metrics" / "eval-scratch.json").write_text('{"tau": 3.1, "lossless": false}')
     (tmp_path / "metrics" / "eval-warm_start.json").write_text('{"tau": 2.4, "lossless": true}')
     assert main(["export"]) == 0  # no DRAFTER OUT: the DVC stage, from params.yaml

@@ -16,11 +16,19 @@ from eagle3ops.tracking.run import stage_run
 def champion() -> tuple[str, str]:
     """The trained drafter with the best tau in this pipeline's eval, leaving out any that changed the target's
     output; and why, in words."""
-    taus = {init: m["tau"] for init in TrainInit
-            if (m := read_metrics([f"eval-{init}"]).get(f"eval-{init}")) and m.get("lossless", True)}
+    evals = {init: m for init in TrainInit if (m := read_metrics([f"eval-{init}"]).get(f"eval-{init}"))}
+    taus = {init: m["tau"] for init, m in evals.items() if m.get("lossless", True)}
+    if not taus and evals:
+        changed = ", ".join(f"metrics/eval-{init}.json ({m.get('mismatched_prompts', '?')} of {m.get('prompts', '?')} "
+                            f"prompts)" for init, m in evals.items())
+        raise InputError(f"export.drafter champion: every drafter changed the target's greedy output: {changed}. "
+                         "Where the baseline (metrics/eval-baseline.json) changes as many, the target's numerics do it "
+                         "(in bfloat16, verifying several tokens in one forward and decoding one at a time can part "
+                         "where its top two tokens are nearly tied), not the drafters: set export.drafter to scratch "
+                         "or warm_start, or evaluate with target.dtype float32")
     if not taus:
         raise InputError("export.drafter champion: neither metrics/eval-scratch.json nor metrics/eval-warm_start.json "
-                         "holds a lossless tau; run the eval stages, or set export.drafter to scratch or warm_start")
+                         "holds a tau; run the eval stages, or set export.drafter to scratch or warm_start")
     best = max(taus, key=taus.get)
     return best, "champion: " + ", ".join(f"{init} tau {tau:.3f}" for init, tau in sorted(taus.items(),
                                                                                           key=lambda item: -item[1]))
