@@ -149,6 +149,24 @@ def test_a_pipeline_run_on_past_a_failed_stage_ends_finished_once_synced(workspa
     assert pipeline_status() == "FINISHED"
 
 
+def test_the_committed_h200_records_load_with_sync(tmp_path, monkeypatch):
+    """The SmolLM2 run on the H200 (bench/results/smollm2-h200/), loaded as its README says: every record
+    uploads, and the pipeline run carries the report's tau; the failed first generate stays a FAILED stage run."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "smollm2-h200" / "smollm2-h200"
+    uri = isolate(monkeypatch, tmp_path)
+    shutil.copytree(results / "outbox", tmp_path / ".eagle3ops" / "outbox")
+    assert main(["sync"]) == 0
+    assert not pending(tmp_path)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("eagle3ops").experiment_id
+    (parent,) = client.search_runs([experiment], "tags.`eagle3ops.role` = 'pipeline'")
+    reported = json.loads((results / "metrics.json").read_text())
+    assert parent.info.run_name == "smollm2-h200" and parent.info.status == "FINISHED"
+    assert {init: parent.data.metrics[f"tau/{init}"] for init in reported["tau"]} == reported["tau"]
+    statuses = sorted(run.info.status for run in client.search_runs([experiment], "tags.`eagle3ops.role` = 'stage'"))
+    assert statuses == ["FAILED"] + ["FINISHED"] * 11
+
+
 def free_port_naming_401() -> int:
     for port in range(40100, 40200):
         with socket.socket() as probe:
