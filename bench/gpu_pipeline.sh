@@ -20,7 +20,7 @@ eagle3ops preset "${PRESET:-zoo-gpu}" >/dev/null || exit 1
 # A `dvc exp run` stopped midway leaves its files staged; the next one would fail to apply its stash over them.
 git reset -q 2>/dev/null
 # Where vLLM is not installed (the lent GPU machines carry none), the decoder measures alone and the export is not
-# served; measure those drafters on vLLM afterwards on a machine that has it (docs/serving.md)
+# served; measure those drafters on vLLM afterwards on a machine that has it, from their weights (DVC outputs)
 engine=()
 python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" || engine=(-S eval.engine=null -S export.serve=false)
 dvc exp run -n "$name" "${engine[@]}" "$@" || exit 1
