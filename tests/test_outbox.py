@@ -60,6 +60,12 @@ def workspace(tmp_path, monkeypatch):
         server.stop()
 
 
+def runs_with_role(client: MlflowClient, role: str) -> list:
+    """The runs of the eagle3ops experiment in one role: stage, or pipeline (their parents)."""
+    return client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
+                              f"tags.`eagle3ops.role` = '{role}'")
+
+
 @pytest.mark.service
 def test_server_down_from_the_start(workspace, capsys):
     root, server, cfg = workspace
@@ -73,8 +79,7 @@ def test_server_down_from_the_start(workspace, capsys):
     assert main(["sync", "--tracking-uri", server.uri]) == 0
     assert not pending(root)
     client = MlflowClient(server.uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
-                                "tags.`eagle3ops.role` = 'stage'")
+    (run,) = runs_with_role(client, "stage")
     assert run.data.metrics["tau"] == 3.25 and run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == str(cfg.train.lr)
     assert run.data.tags["mlflow.parentRunId"]
@@ -105,8 +110,7 @@ def test_a_temp_experiments_runs_wait_in_the_repositorys_outbox(workspace, monke
     assert main(["sync", "--tracking-uri", server.uri]) == 0
     assert not pending(root)
     client = MlflowClient(server.uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
-                                "tags.`eagle3ops.role` = 'stage'")
+    (run,) = runs_with_role(client, "stage")
     assert run.data.metrics["train/loss"] == 1.5
     local = client.download_artifacts(run.info.run_id, "drafter/config.json", str(root))
     assert json.loads(Path(local).read_text()) == {"copy": True}
@@ -128,8 +132,7 @@ def test_a_pipeline_run_on_past_a_failed_stage_ends_finished_once_synced(workspa
     client = MlflowClient(server.uri)
 
     def pipeline_status() -> str:
-        (parent,) = client.search_runs([client.get_experiment_by_name("eagle3ops").experiment_id],
-                                       "tags.`eagle3ops.role` = 'pipeline'")
+        (parent,) = runs_with_role(client, "pipeline")
         return parent.info.status
 
     assert main(["sync", "--tracking-uri", server.uri]) == 0
@@ -158,12 +161,11 @@ def test_the_committed_h200_records_load_with_sync(tmp_path, monkeypatch):
     assert main(["sync"]) == 0
     assert not pending(tmp_path)
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("eagle3ops").experiment_id
-    (parent,) = client.search_runs([experiment], "tags.`eagle3ops.role` = 'pipeline'")
+    (parent,) = runs_with_role(client, "pipeline")
     reported = json.loads((results / "metrics.json").read_text())
     assert parent.info.run_name == "smollm2-h200" and parent.info.status == "FINISHED"
     assert {init: parent.data.metrics[f"tau/{init}"] for init in reported["tau"]} == reported["tau"]
-    statuses = sorted(run.info.status for run in client.search_runs([experiment], "tags.`eagle3ops.role` = 'stage'"))
+    statuses = sorted(run.info.status for run in runs_with_role(client, "stage"))
     assert statuses == ["FAILED"] + ["FINISHED"] * 11
 
 
