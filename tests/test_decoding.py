@@ -13,7 +13,7 @@ from eagle3ops.config import Config, ConfigError, EvalConfig, PromptSetConfig, T
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.decoding import evaluation
 from eagle3ops.decoding.batching import TargetBatch
-from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, sampled_fields
+from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, find_parting, sampled_fields
 from eagle3ops.decoding.speculative import (
     AcceptanceStats,
     speculative_generate,
@@ -27,6 +27,7 @@ from eagle3ops.extraction.hf import extract_features
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
 from eagle3ops.modeling.target import TargetError, capture, resolve_aux_layers
+from eagle3ops.reporting.summary import acceptance_table
 from eagle3ops.spec_settings import DecodingError, SpecSettings, sampled_settings
 from eagle3ops.stages import eval as eval_stage
 from helpers import isolate
@@ -330,6 +331,69 @@ def test_the_sampled_pass_decodes_speculatively_alone(target, monkeypatch):
     block = sampled_fields(1.0, acceptance_fields(sampled.overall, sampled.per_set, {}, sampled.per_prompt, 7))
     assert block["temperature"] == 1.0 and "prompts_by_set" not in block
     assert block["tau_ci_low"] <= block["tau"] <= block["tau_ci_high"] and set(block["tau_by_set"]) == {"a", "b"}
+
+
+def test_a_parting_is_a_near_tie_only_within_the_rounding_of_the_targets_dtype(target):
+    """find_parting: the first differing token, the target's logit gap there from one forward over the shared
+    prefix, against 2 eps(dtype) max|logit|. The runner-up token of a float32 target is beyond it; the same token
+    with its head row copied from the chosen one is an exact tie; bfloat16 allows 2^16 times float32's gap; an
+    output that is a prefix of the other is never a near-tie."""
+    ids = [5, 9, 17, 3]
+    own = target_greedy(target, ids, 4, set())
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([ids + own[:2]])).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    parting = find_parting(target, "p0", ids, own, own[:2] + [runner_up, 1])
+    assert (parting.prompt, parting.position, parting.target_token, parting.spec_token) == ("p0", 2, own[2], runner_up)
+    assert parting.gap == pytest.approx(float(logits[own[2]] - logits[runner_up]), abs=1e-5)
+    assert parting.tolerance == pytest.approx(2 * torch.finfo(torch.float32).eps * float(logits.abs().max()), rel=1e-3)
+    assert parting.gap > parting.tolerance and not parting.near_tie
+
+    tied = copy.deepcopy(target)
+    tied.lm_head.weight.data[runner_up] = tied.lm_head.weight.data[own[2]]
+    assert find_parting(tied, "p0", ids, own, own[:2] + [runner_up]).near_tie  # gap 0
+
+    wide = find_parting(copy.deepcopy(target).to(torch.bfloat16), "p0", ids, own, own[:2] + [runner_up])
+    assert wide.tolerance / parting.tolerance == pytest.approx(2 ** 16, rel=0.1)
+
+    stopped = find_parting(target, "p0", ids, own, own[:2])
+    assert stopped.position == 2 and stopped.gap is None and not stopped.near_tie
+
+
+def test_eval_counts_a_parting_at_a_tie_as_lossless_and_an_early_stop_as_not(tmp_path, monkeypatch, tiny_target_dir,
+                                                                             capsys):
+    """The eval stage with the target's own output altered at one prompt: at a token every logit ties (the
+    constant target), the prompt parts at a near-tie, and the drafter stays lossless with the count in the metrics,
+    the report's table and the log; cut short, it is not lossless."""
+    isolate(monkeypatch, tmp_path)
+    target_dir, _ = write_constant_models(tiny_target_dir, tmp_path)
+    (tmp_path / "data" / "bench").mkdir(parents=True)
+    (tmp_path / "data" / "bench" / "chat.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"question {i}: the fox writes"}) + "\n" for i in range(3)))
+    cfg = Config(target=TargetConfig(path=str(target_dir), lineage_dep=str(target_dir), device="cpu"),
+                 eval=EvalConfig(k=3, max_new_tokens=8, engine=None, sets_dir="data/bench", sampled_temperature=None,
+                                 batch_size=3,
+                                 sets=[PromptSetConfig("chat", "data/bench/chat.jsonl")]))
+    cfg.mlflow.registered_model, cfg.mlflow.system_metrics = None, False
+    own_outputs = evaluation.target_generate
+
+    def evaluate(alter):
+        def altered(*args, **kwargs):
+            outputs = own_outputs(*args, **kwargs)
+            return [alter(outputs[0]), *outputs[1:]]
+        monkeypatch.setattr(evaluation, "target_generate", altered)
+        eval_stage.run(cfg, "scratch")
+        return json.loads((tmp_path / "metrics" / "eval-scratch.json").read_text())
+
+    metrics = evaluate(lambda tokens: tokens[:3] + [7] + tokens[4:])  # every id ties with id 0 there
+    assert (metrics["lossless"], metrics["mismatched_prompts"], metrics["near_tie_prompts"]) == (True, 1, 1)
+    assert "parts from the target's own output at token 3: the target's logit gap 0 is within" in capsys.readouterr().out
+    assert acceptance_table({"eval-scratch": metrics}).loc[0, "lossless"] == "yes (1 near-tie)"
+
+    metrics = evaluate(lambda tokens: tokens[:3])
+    assert (metrics["lossless"], metrics["mismatched_prompts"], metrics["near_tie_prompts"]) == (False, 1, 0)
+    assert "one output stops early: NOT lossless" in capsys.readouterr().out
+    assert acceptance_table({"eval-scratch": metrics}).loc[0, "lossless"] == "NO (1 prompts)"
 
 
 def write_constant_models(tiny_target_dir: Path, root: Path) -> tuple[Path, Path]:

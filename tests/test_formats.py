@@ -513,10 +513,11 @@ def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tm
     (tmp_path / "metrics").mkdir()
     for init in ("scratch", "warm_start"):  # both changed the target's output: which files, how many prompts, why
         (tmp_path / "metrics" / f"eval-{init}.json").write_text(
-            '{"tau": 2.5, "lossless": false, "mismatched_prompts": 7, "prompts": 20}')
+            '{"tau": 2.5, "lossless": false, "mismatched_prompts": 7, "near_tie_prompts": 2, "prompts": 20}')
     assert main(["export"]) == 1
     err = capsys.readouterr().err
-    assert "every drafter changed the target's greedy output: metrics/eval-scratch.json (7 of 20 prompts)" in err
+    assert ("every drafter changed the target's greedy output beyond a near-tie of its logits: "
+            "metrics/eval-scratch.json (5 of 20 prompts)") in err
     assert "set export.drafter to scratch or warm_start" in err
     # scratch has the higher tau, but changed the target's output
     (tmp_path / "metrics" / "eval-scratch.json").write_text('{"tau": 3.1, "lossless": false}')

@@ -1,6 +1,7 @@
 """The eval stage's measurement on the hf backend: each prompt decoded speculatively and by the target alone, in
 batches, with the same seed and sampling; acceptance overall, per prompt set and per prompt, losslessness
-(greedy: the two outputs token for token) and the speed of each. The measurement again at a sampling temperature
+(greedy: the two outputs token for token, a parting at a near-tie of the target's own logits told apart) and the
+speed of each. The measurement again at a sampling temperature
 (eval.sampled_temperature) decodes speculatively only: one sampled run has no reference to be checked against.
 
     measured = decode_and_compare(target, draft, tokenizer, prompts, settings, max_new_tokens, batch_size, seed, desc)
@@ -22,6 +23,40 @@ from eagle3ops.progress import progress
 from eagle3ops.spec_settings import SpecSettings
 
 
+@dataclass(frozen=True)
+class Parting:
+    """Where a greedy speculative output first parts from the target's own: the target's logits there, from one
+    forward over the shared prefix, separate its own token from the speculative one by `gap`. Within `tolerance`
+    (rounding of the target's dtype at the logits' scale) the two decodings' numerics decide, not the drafter:
+    verifying k+1 tokens in one forward and decoding one at a time round differently, and either may pick either
+    of two nearly tied tokens. Beyond it, the speculative decoding chose a token the target does not."""
+    prompt: str
+    position: int
+    target_token: int
+    spec_token: int
+    gap: float | None
+    tolerance: float
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap is not None and self.gap <= self.tolerance
+
+
+@torch.no_grad()
+def find_parting(target, prompt: str, ids: list[int], own: list[int], spec: list[int]) -> Parting:
+    """The first token where `spec` parts from the target's own greedy output `own`, both continuing `ids`, and the
+    target's logit gap there against 2 eps(dtype) max|logit|: bfloat16's eps 2^-7 at logits of about 20 allows a
+    gap of 0.3, float32's a few 1e-6. Where one output is a prefix of the other (one stopped early), gap is None:
+    not a near-tie."""
+    position = next((i for i, (a, b) in enumerate(zip(own, spec)) if a != b), None)
+    if position is None:
+        return Parting(prompt, min(len(own), len(spec)), -1, -1, None, 0.0)
+    logits = target(input_ids=torch.tensor([ids + own[:position]], device=target.device)).logits[0, -1].float()
+    gap = abs(float(logits[own[position]] - logits[spec[position]]))
+    tolerance = 2 * torch.finfo(target.dtype).eps * float(logits.abs().max())
+    return Parting(prompt, position, own[position], spec[position], gap, tolerance)
+
+
 @dataclass
 class Compared:
     overall: AcceptanceStats
@@ -29,11 +64,21 @@ class Compared:
     per_prompt: list[AcceptanceStats] = field(default_factory=list)
     target_outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id -> the target's own tokens
     mismatched: list[str] = field(default_factory=list)  # greedy: prompts whose output is not the target's
+    partings: list[Parting] = field(default_factory=list)  # greedy: where each of them first parts, and why
     spec_s: float = 0.0
     plain_s: float = 0.0
     spec_tokens: int = 0
     plain_tokens: int = 0
     in_draft_vocab: int = 0  # the target's tokens the draft vocabulary holds
+
+    @property
+    def near_ties(self) -> list[Parting]:
+        return [parting for parting in self.partings if parting.near_tie]
+
+    @property
+    def lossless(self) -> bool:
+        """Greedy: every prompt's output is the target's, but where the two part at a near-tie of its logits."""
+        return all(parting.near_tie for parting in self.partings)
 
     @property
     def draft_vocab_coverage(self) -> float:
@@ -60,7 +105,7 @@ def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: 
                 references = target_generate(target, ids, max_new_tokens, eos, settings.temperature, settings.top_p,
                                              seed + first)
                 compared.plain_s += time.perf_counter() - start
-            for prompt, generation, own in zip(chunk, generations, references):
+            for prompt, prompt_tokens, generation, own in zip(chunk, ids, generations, references):
                 compared.spec_tokens += len(generation.tokens)
                 if own is not None:
                     compared.target_outputs[prompt["id"]] = own
@@ -68,6 +113,8 @@ def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: 
                     compared.in_draft_vocab += int(draft.t2d[torch.tensor(own)].sum())
                     if settings.greedy and generation.tokens != own:  # sampled runs differ by design
                         compared.mismatched.append(prompt["id"])
+                        compared.partings.append(find_parting(target, prompt["id"], prompt_tokens, own,
+                                                              generation.tokens))
                 compared.overall.merge(generation.stats)
                 compared.per_set[prompt["set"]].merge(generation.stats)
                 compared.per_prompt.append(generation.stats)

@@ -47,6 +47,15 @@ def _label(measurements: list[dict]) -> str | None:
     return "/".join(labels) if labels else None
 
 
+def _lossless(m: dict) -> str:
+    """yes; yes with the prompts that part from the target's output at a near-tie of its logits (rounding, not the
+    drafter: decoding/evaluation.py, Parting); or NO with the prompts that part beyond it."""
+    near_ties = m.get("near_tie_prompts", 0)
+    if not m["lossless"]:
+        return f"NO ({m['mismatched_prompts'] - near_ties} prompts)"
+    return f"yes ({near_ties} near-tie{'s' * (near_ties != 1)})" if near_ties else "yes"
+
+
 def _interval(m: dict) -> str:
     return f"{m['tau_ci_low']:.2f}-{m['tau_ci_high']:.2f}" if "tau_ci_low" in m else "not measured"
 
@@ -65,8 +74,7 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
             row.update({f"tau {sampled}": m["sampled"]["tau"] if "sampled" in m else None,
                         f"{sampled} 95% CI": _interval(m["sampled"]) if "sampled" in m else "not measured"})
         rows.append({**row, **({f"tau vLLM {primary}": m["vllm"]["tau"]} if "vllm" in m else {}),
-                     "lossless": ("yes" if m["lossless"] else f"NO ({m['mismatched_prompts']} prompts)")
-                     if "lossless" in m else "not checked",  # sampled, or measured on an engine: no reference
+                     "lossless": _lossless(m) if "lossless" in m else "not checked",  # sampled, or on an engine
                      "vocab coverage": m.get("draft_vocab_coverage")})
     return pd.DataFrame(rows)
 

@@ -57,7 +57,17 @@ def run(cfg: Config, drafter: str) -> None:
                                           cfg.eval.batch_size, cfg.seed, f"eval@{drafter}")
         mismatched = measured.mismatched
         if mismatched:
-            tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20])})
+            # prompt@token:gap/tolerance; "stops" where one output stops early (decoding/evaluation.py, Parting)
+            gaps = [("stops" if p.gap is None else f"{p.gap:.3g}") for p in measured.partings]
+            tracked.set_tags({"eagle3ops.mismatched_prompts": ",".join(mismatched[:20]),
+                              "eagle3ops.partings": " ".join(f"{p.prompt}@{p.position}:{gap}/{p.tolerance:.3g}"
+                                                             for p, gap in zip(measured.partings[:20], gaps))})
+            for parting in measured.partings:
+                why = ("one output stops early" if parting.gap is None else
+                       f"the target's logit gap {parting.gap:.3g} is {'within' if parting.near_tie else 'beyond'} "
+                       f"its rounding, {parting.tolerance:.3g}")
+                print(f"eval@{drafter}: {parting.prompt} parts from the target's own output at token "
+                      f"{parting.position}: {why}: {'a near-tie' if parting.near_tie else 'NOT lossless'}", flush=True)
         fields = {"temperature": settings.temperature,
                   **acceptance_fields(measured.overall, measured.per_set,
                                       {name: len(set_prompts) for name, set_prompts in sets.items()},
@@ -89,12 +99,14 @@ def run(cfg: Config, drafter: str) -> None:
                                              {name: m.stats for name, m in served.with_drafter.items()}),
                                 cfg.eval.engine_tolerance, drafter)
         _register(cfg, tracked, drafter, path, fields, identity,
-                  ("no" if mismatched else "yes") if settings.greedy else "not checked")
+                  ("yes" if measured.lossless else "no") if settings.greedy else "not checked")
         _log_per_set(tracked, fields)
         record(tracked, f"eval-{drafter}", {
             **size, "emitted_tokens": measured.spec_tokens, "prompts": len(prompts), **fields,
             # Sampled output is checked statistically (tests/test_decoding_sampling.py), not against one run.
-            **({"lossless": not mismatched, "mismatched_prompts": len(mismatched)} if settings.greedy else {}),
+            # lossless where every parting is a near-tie of the target's own logits (decoding/evaluation.py, Parting)
+            **({"lossless": measured.lossless, "mismatched_prompts": len(mismatched),
+                "near_tie_prompts": len(measured.near_ties)} if settings.greedy else {}),
             "draft_vocab_coverage": round(measured.draft_vocab_coverage, 4),  # target tokens it can draft at all
             "spec_tokens_per_s": round(measured.spec_tokens / max(measured.spec_s, 1e-9), 1),
             "target_tokens_per_s": round(measured.plain_tokens / max(measured.plain_s, 1e-9), 1),

@@ -19,13 +19,13 @@ def champion() -> tuple[str, str]:
     evals = {init: m for init in TrainInit if (m := read_metrics([f"eval-{init}"]).get(f"eval-{init}"))}
     taus = {init: m["tau"] for init, m in evals.items() if m.get("lossless", True)}
     if not taus and evals:
-        changed = ", ".join(f"metrics/eval-{init}.json ({m.get('mismatched_prompts', '?')} of {m.get('prompts', '?')} "
-                            f"prompts)" for init, m in evals.items())
-        raise InputError(f"export.drafter champion: every drafter changed the target's greedy output: {changed}. "
-                         "Where the baseline (metrics/eval-baseline.json) changes as many, the target's numerics do it "
-                         "(in bfloat16, verifying several tokens in one forward and decoding one at a time can part "
-                         "where its top two tokens are nearly tied), not the drafters: set export.drafter to scratch "
-                         "or warm_start, or evaluate with target.dtype float32")
+        changed = ", ".join(f"metrics/eval-{init}.json ({m['mismatched_prompts'] - m.get('near_tie_prompts', 0)} of "
+                            f"{m['prompts']} prompts)" for init, m in evals.items())
+        raise InputError(f"export.drafter champion: every drafter changed the target's greedy output beyond a near-tie "
+                         f"of its logits: {changed}; the eval log names each prompt and token. A drafter cannot "
+                         "change what the target verifies: look for a decoder or target defect first (the baseline, "
+                         "metrics/eval-baseline.json, shows whether it is the drafters); to export regardless, set "
+                         "export.drafter to scratch or warm_start")
     if not taus:
         raise InputError("export.drafter champion: neither metrics/eval-scratch.json nor metrics/eval-warm_start.json "
                          "holds a tau; run the eval stages, or set export.drafter to scratch or warm_start")
