@@ -169,6 +169,29 @@ def test_the_committed_h200_records_load_with_sync(tmp_path, monkeypatch):
     assert statuses == ["FAILED"] + ["FINISHED"] * 11
 
 
+def test_the_committed_h100_records_load_with_sync(tmp_path, monkeypatch):
+    """The H100 run to the train stages (bench/results/smollm2-h100/): seven stage runs upload, train@scratch twice
+    (the first finished as the call's limit came), and the pipeline run ends as its last stage did; the drafters'
+    held-out acc_0 is the metrics files'."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "smollm2-h100" / "smollm2-h200-2"
+    uri = isolate(monkeypatch, tmp_path)
+    shutil.copytree(results / "outbox", tmp_path / ".eagle3ops" / "outbox")
+    assert main(["sync"]) == 0
+    assert not pending(tmp_path)
+    client = MlflowClient(uri)
+    (parent,) = runs_with_role(client, "pipeline")
+    assert parent.info.run_name == "smollm2-h200-2" and parent.info.status == "FINISHED"
+    stages = runs_with_role(client, "stage")
+    assert sorted(run.info.run_name.split(" ")[0] for run in stages) == [
+        "extract@offline", "generate", "prepare", "train@scratch", "train@scratch", "train@warm_start", "zoo"]
+    assert {run.data.tags["hardware.gpu_models"] for run in stages} == {"NVIDIA H100 80GB HBM3"}
+    for init in ("scratch", "warm_start"):
+        recorded = json.loads((results / "metrics" / f"train-{init}.json").read_text())
+        latest = max((run for run in stages if run.info.run_name.startswith(f"train@{init} ")),
+                     key=lambda run: run.info.start_time)
+        assert latest.data.metrics["eval/acc_0"] == pytest.approx(recorded["eval/acc_0"], abs=5e-5)  # the file rounds
+
+
 def free_port_naming_401() -> int:
     for port in range(40100, 40200):
         with socket.socket() as probe:
