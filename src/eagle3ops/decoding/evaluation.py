@@ -1,8 +1,8 @@
 """The eval stage's measurement on the hf backend: each prompt decoded speculatively and by the target alone, in
 batches, with the same seed and sampling; acceptance overall, per prompt set and per prompt, losslessness
 (greedy: the two outputs token for token, a parting at a near-tie of the target's own logits told apart) and the
-speed of each. The measurement again at a sampling temperature
-(eval.sampled_temperature) decodes speculatively only: one sampled run has no reference to be checked against.
+speed of each. The measurement again at a sampling temperature (eval.sampled_temperature) decodes speculatively
+only: one sampled run has no reference to be checked against.
 
     measured = decode_and_compare(target, draft, tokenizer, prompts, settings, max_new_tokens, batch_size, seed, desc)
     fields = acceptance_fields(measured.overall, measured.per_set, prompts_by_set, measured.per_prompt, seed)
