@@ -152,16 +152,26 @@ def test_a_pipeline_run_on_past_a_failed_stage_ends_finished_once_synced(workspa
     assert pipeline_status() == "FINISHED"
 
 
-def test_the_committed_h200_records_load_with_sync(tmp_path, monkeypatch):
-    """The SmolLM2 run on the H200 (bench/results/smollm2-h200/), loaded as its README says: every record
-    uploads, and the pipeline run carries the report's tau; the failed first generate stays a FAILED stage run."""
-    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "smollm2-h200" / "smollm2-h200"
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def synced_records(results: Path, tmp_path: Path, monkeypatch) -> tuple[MlflowClient, object]:
+    """A packed GPU run's outbox (results/outbox) loaded as its README says, into a fresh store: every record
+    uploads; (the store's client, the pipeline run)."""
     uri = isolate(monkeypatch, tmp_path)
     shutil.copytree(results / "outbox", tmp_path / ".eagle3ops" / "outbox")
     assert main(["sync"]) == 0
     assert not pending(tmp_path)
     client = MlflowClient(uri)
     (parent,) = runs_with_role(client, "pipeline")
+    return client, parent
+
+
+def test_the_committed_h200_records_load_with_sync(tmp_path, monkeypatch):
+    """The SmolLM2 run on the H200 (bench/results/smollm2-h200/), loaded as its README says: every record
+    uploads, and the pipeline run carries the report's tau; the failed first generate stays a FAILED stage run."""
+    results = RESULTS / "smollm2-h200" / "smollm2-h200"
+    client, parent = synced_records(results, tmp_path, monkeypatch)
     reported = json.loads((results / "metrics.json").read_text())
     assert parent.info.run_name == "smollm2-h200" and parent.info.status == "FINISHED"
     assert {init: parent.data.metrics[f"tau/{init}"] for init in reported["tau"]} == reported["tau"]
@@ -173,13 +183,8 @@ def test_the_committed_h100_records_load_with_sync(tmp_path, monkeypatch):
     """The H100 run to the train stages (bench/results/smollm2-h100/): seven stage runs upload, train@scratch twice
     (the first finished as the call's limit came), and the pipeline run ends as its last stage did; the drafters'
     held-out acc_0 is the metrics files'."""
-    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "smollm2-h100" / "smollm2-h200-2"
-    uri = isolate(monkeypatch, tmp_path)
-    shutil.copytree(results / "outbox", tmp_path / ".eagle3ops" / "outbox")
-    assert main(["sync"]) == 0
-    assert not pending(tmp_path)
-    client = MlflowClient(uri)
-    (parent,) = runs_with_role(client, "pipeline")
+    results = RESULTS / "smollm2-h100" / "smollm2-h200-2"
+    client, parent = synced_records(results, tmp_path, monkeypatch)
     assert parent.info.run_name == "smollm2-h200-2" and parent.info.status == "FINISHED"
     stages = runs_with_role(client, "stage")
     assert sorted(run.info.run_name.split(" ")[0] for run in stages) == [
