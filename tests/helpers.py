@@ -81,6 +81,35 @@ def wait_for_http(url: str, server: subprocess.Popen | None = None, timeout_s: f
     raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+class InFlight:
+    """The requests a test server holds at once (`most`). With `together=n` each request after the first `alone`
+    waits until n have been held at once: a fixed sleep lets a loaded machine serve concurrent requests one after
+    the other, and a test of bounded concurrency then fails by chance. A client that never sends n at once costs
+    one `patience_s`, then the gate stays open."""
+
+    def __init__(self, together: int = 1, alone: int = 0, patience_s: float = 10.0):
+        self.together, self.alone, self.patience_s = together, alone, patience_s
+        self.now = self.most = self.seen = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._changed:
+            self.seen += 1
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self._changed.notify_all()
+            if self.seen > self.alone and not self._changed.wait_for(lambda: self.most >= self.together,
+                                                                     timeout=self.patience_s):
+                self.together = 0
+                self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.now -= 1
+
+
 @contextmanager
 def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """A real HTTP server on 127.0.0.1 (a free port) answering with `handler`; yields its base URL."""

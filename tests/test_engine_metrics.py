@@ -16,7 +16,7 @@ from eagle3ops.data.chat import prompt_ids
 from eagle3ops.decoding.engines import EngineError, measure, parse_exposition, vllm_counters
 from eagle3ops.serving import http as engine_http
 from eagle3ops.stages import eval as eval_stage
-from helpers import isolate, loopback_server
+from helpers import InFlight, isolate, loopback_server
 
 K = 3
 STEPS_PER_REQUEST = 4
@@ -120,12 +120,9 @@ class FakeEngine(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         state = self.state
         with state["lock"]:
-            state["in_flight"] += 1
-            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
             state["requests"].append(request)
-        threading.Event().wait(0.03)  # long enough for concurrent requests to overlap
-        with state["lock"]:
-            state["in_flight"] -= 1
+        with state["in_flight"].held():
+            threading.Event().wait(0.03)  # a client over its bound shows as more requests held at once
         if state.get("fail"):
             return self._send(500, b'{"object": "error", "message": "CUDA out of memory"}')
         if self.path == "/v1/completions":
@@ -175,8 +172,9 @@ class FakeEngine(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def fake_engine(k: int = K, **options):
-    state = {"lock": threading.Lock(), "in_flight": 0, "max_in_flight": 0, "requests": [],
+def fake_engine(k: int = K, together: int = 1, **options):
+    """`together`: the concurrency a test expects to see, after the one warm-up request (see InFlight)."""
+    state = {"lock": threading.Lock(), "in_flight": InFlight(together, alone=1), "requests": [],
              "counters": [{"drafts": 7, "accepted": 5, "per_pos": [3, 2] + [0] * (k - 2)} for _ in range(2)], **options}
     handler = type("Handler", (FakeEngine,), {"state": state})
     with loopback_server(handler) as url:
@@ -196,10 +194,10 @@ def prompt_sets() -> dict[str, list[dict]]:
 
 
 def test_vllm_backend_end_to_end_per_set():
-    with fake_engine() as (url, state):
+    with fake_engine(together=2) as (url, state):
         results = measure("vllm", url, prompt_sets(), K, max_new_tokens=64, temperature=0.0, concurrency=2,
                           desc="eval@test", encode=encode)
-    assert state["max_in_flight"] == 2  # bounded concurrency, and the requests did run in parallel
+    assert state["in_flight"].most == 2  # bounded concurrency, and the requests did run in parallel
     warm_up, *measured = state["requests"]  # one short request first, counted before the measurement starts
     assert {r["model"] for r in state["requests"]} == {"Kimi-K2.5"} and warm_up["max_tokens"] < 64
     assert {(r["max_tokens"], r["temperature"], r["return_token_ids"]) for r in measured} == {(64, 0.0, True)}
@@ -216,10 +214,10 @@ def test_vllm_backend_end_to_end_per_set():
 
 
 def test_sglang_backend_end_to_end_per_set():
-    with fake_engine() as (url, state):
+    with fake_engine(together=3) as (url, state):
         results = measure("sglang", url, prompt_sets(), K, max_new_tokens=32, temperature=0.7, concurrency=3,
                           desc="eval@test", encode=encode)
-    assert state["max_in_flight"] == 3
+    assert state["in_flight"].most == 3
     assert {json.dumps(r["sampling_params"], sort_keys=True) for r in state["requests"]} == {
         '{"max_new_tokens": 32, "temperature": 0.7}'}
     assert {name: round(r.stats.tau, 6) for name, r in results.items()} == {"easy": 4.0, "mixed": 2.0, "hard": 1.0}

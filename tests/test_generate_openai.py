@@ -21,7 +21,7 @@ from eagle3ops.errors import InputError
 from eagle3ops.generation.openai import ResumeLog, regenerate_openai, with_reasoning
 from eagle3ops.serving.http import EngineError, EngineUnavailable
 from eagle3ops.serving.server import free_port
-from helpers import isolate, loopback_server
+from helpers import InFlight, isolate, loopback_server
 
 ORIGINAL = "ORIGINAL ANSWER " * 12  # far longer than any regenerated turn: a prompt carrying it shows
 
@@ -176,11 +176,11 @@ def completion(content: str, finish_reason: str = "stop", **extra) -> dict:
 
 
 @contextmanager
-def scripted_server(answer, delay_s: float = 0.0):
+def scripted_server(answer, delay_s: float = 0.0, together: int = 1):
     """An HTTP server on loopback: `answer(n, body)` -> (status, headers, json) for the n-th request. Yields
-    (base_url, seen): seen["requests"] lists (time, headers, body) per request, seen["max_in_flight"] the most
-    requests it held at once."""
-    seen, lock = {"requests": [], "in_flight": 0, "max_in_flight": 0}, threading.Lock()
+    (base_url, seen): seen["requests"] lists (time, headers, body) per request, seen["in_flight"].most the most
+    requests it held at once (`together`: see InFlight)."""
+    seen, lock = {"requests": [], "in_flight": InFlight(together)}, threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -188,13 +188,10 @@ def scripted_server(answer, delay_s: float = 0.0):
             with lock:
                 n = len(seen["requests"])
                 seen["requests"].append((time.monotonic(), dict(self.headers), body))
-                seen["in_flight"] += 1
-                seen["max_in_flight"] = max(seen["max_in_flight"], seen["in_flight"])
-            time.sleep(delay_s)
-            status, headers, payload = answer(n, body)
+            with seen["in_flight"].held():
+                time.sleep(delay_s)
+                status, headers, payload = answer(n, body)
             data = json.dumps(payload).encode()
-            with lock:
-                seen["in_flight"] -= 1
             self.send_response(status)
             for key, value in {**headers, "Content-Type": "application/json", "Content-Length": str(len(data))}.items():
                 self.send_header(key, value)
@@ -261,10 +258,10 @@ def test_requests_in_flight_are_bounded_by_concurrency(tmp_path):
     def echo(n, body):
         return 200, {}, completion("re: " + body["messages"][-1]["content"])
 
-    with scripted_server(echo, delay_s=0.25) as (url, seen):
+    with scripted_server(echo, delay_s=0.05, together=3) as (url, seen):
         settings = OpenAIEndpointConfig(base_url=url, model="target", concurrency=3)
         records, stats = regenerate_openai(one_turn(9), settings, 8, 0.0, 0, tmp_path / "log.jsonl")
-    assert seen["max_in_flight"] == 3
+    assert seen["in_flight"].most == 3
     assert [r["messages"][1]["content"] for r in records] == [f"re: question {i}" for i in range(9)]
     assert stats.generated == 9 and stats.conversations_per_s > 0
 
