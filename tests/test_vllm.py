@@ -39,8 +39,9 @@ def drafter(tmp_path, vocab: int, heads: int = 1):
 
 
 def engine_processes() -> set[psutil.Process]:
-    return {p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints" in " ".join(p.info["cmdline"] or [])
-            or "VLLM::EngineCore" in " ".join(p.info["cmdline"] or [])}
+    """This test's vLLM processes (another test process may run its own beside it)."""
+    return {p for p in psutil.Process().children(recursive=True)
+            if any(name in " ".join(p.cmdline()) for name in ("vllm.entrypoints", "VLLM::"))}
 
 
 def test_the_cpu_head_sizes_we_check_are_the_installed_vllms():
@@ -151,10 +152,13 @@ def test_an_export_serves_on_vllm_and_a_cpu_cannot_serve_a_head_size_of_16(tiny_
 @pytest.mark.service
 def test_the_managed_server_answers_and_is_gone_after_the_block(tiny_target_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    before = engine_processes()
     with vllm_server(tiny_target_dir, "float32", VllmConfig(), "plain") as url:
         assert url.startswith("http://127.0.0.1:")
-        started = engine_processes() - before
+        started = engine_processes()
+        # the API server and its engine, the model inside the engine: a worker process of its own is one more
+        # import of vLLM and torch at every start (serve_env)
+        assert sorted(p.cmdline()[0] for p in started) == sorted(["VLLM::EngineCore", sys.executable]), \
+            [p.cmdline() for p in started]
         answer = httpx2.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4,
                                                             "temperature": 0}, timeout=60).json()
         assert answer["usage"]["completion_tokens"] == 4

@@ -11,8 +11,8 @@ vllm.entrypoints.openai.api_server`, which works with either build.
 
 How the server runs (params.yaml `vllm`, none of it in the lineage): the target's own dtype, never a cast
 (vLLM's `--dtype auto` serves a float32 model in bf16); on a CPU eager mode (compiling costs about 90 s a
-start), the worker inside the engine process, and the KV cache sized by VLLM_CPU_KVCACHE_SPACE (vLLM's own
-default asks for more than a 24 GB machine has); loopback only.
+start), the worker inside the engine process (serve_env), and the KV cache sized by VLLM_CPU_KVCACHE_SPACE
+(vLLM's own default asks for more than a 24 GB machine has); loopback only.
 
 Capturing hidden states (`capture`): the speculative method `extract_hidden_states` stores the requested layers'
 states of every prompt position in a cache beside the KV cache, and a KV connector writes each finished request's
@@ -137,7 +137,7 @@ def serve_argv(model: str | Path, dtype: str, settings: VllmConfig, port: int, s
     if on_gpu():
         argv += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization),
                  "--tensor-parallel-size", str(settings.tensor_parallel_size)]
-    else:  # the worker inside the engine process: one Python process fewer to start (38 s -> 25 s on 2 cores)
+    else:  # the worker inside the engine process: one Python process fewer to start (serve_env)
         argv += ["--distributed-executor-backend", "uni"]
     return argv + list(settings.extra_args)
 
@@ -154,10 +154,12 @@ def _capture_argv(capture: Capture) -> list[str]:
 
 def serve_env(settings: VllmConfig) -> dict[str, str]:
     """What the server's environment adds: offline (nothing is downloaded), no usage reports, and on a CPU the
-    KV cache's size."""
+    KV cache's size and VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU platform replaces the `uni`
+    backend with a worker process of its own (one more import of vLLM and torch, about 17 s a start on 2 cores)."""
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if not on_gpu():
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib(settings):g}"
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
