@@ -33,7 +33,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{marker}: {what}; left out of the default run, `pytest --all` runs it")
 
 
+# The files that take longest, longest first (minutes on a 2-core AVX2 machine, run alone): `--all` starts with
+# them, so that with `-n 2 --dist loadfile --no-loadscope-reorder` (pytest-xdist, as CI runs) neither worker is
+# left with a long file at the end while the other idles.
+LONGEST_FIRST = ["test_pipeline_e2e.py",  # 42
+                 "test_smollm2.py",  # 18
+                 "test_resume.py",  # 9
+                 "test_vllm_extract.py",  # 7
+                 "test_dvc_remotes.py",  # 6
+                 "test_outbox.py",  # 5
+                 "test_tracking_server.py"]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--all"):
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: in-file order kept
     if config.getoption("--all") or config.getoption("markexpr"):
         return
     slow = [item for item in items if any(item.get_closest_marker(marker) for marker in SLOW_TIER)]
