@@ -119,9 +119,8 @@ def test_pipeline_on_smollm2_measured_on_vllm(built, tmp_path_factory):
     repo = micro_pipeline_repo(tmp_path_factory.mktemp("smollm2-pipeline"))
     run(["eagle3ops", "preset", "smollm2"], repo)
     small = ["zoo.conversations=24", "zoo.drafter_conversations=16", "zoo.eval_prompts_per_family=1",
-             "zoo.drafter_training.max_steps=2", "zoo.drafter_training.batch_size=1",
-             "zoo.drafter_training.packed_length=512", "generate.max_new_tokens=32", "train.max_steps=2",
-             "train.batch_size=1", "train.packed_length=512", "train.log_every=1", "eval.max_new_tokens=16"]
+             "zoo.drafter_training.max_steps=2", "generate.max_new_tokens=32", "train.max_steps=2",
+             "train.log_every=1", "eval.max_new_tokens=16"]
     OmegaConf.save(OmegaConf.merge(OmegaConf.load(repo / "params.yaml"), OmegaConf.from_dotlist(small)),
                    repo / "params.yaml")
     commit(repo, "smollm2, a few conversations")
