@@ -152,12 +152,18 @@ def command_env(env: dict[str, str | None] | None = None) -> dict[str, str]:
     return full
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fail: bool = False) -> str:
+def run(cmd: list[str], cwd: Path, env: dict[str, str | None] | None = None, fail: bool = False,
+        timeout_s: float = 1200) -> str:
     """Run `cmd` with this venv's `dvc` and `eagle3ops` first on PATH and no tracking URI from outside; `env`
     sets variables (None removes one). Returns stdout + stderr; the test fails unless it exits 0 (with `fail`:
-    unless it fails)."""
-    done = subprocess.run(cmd, cwd=cwd, env=command_env(env), capture_output=True, text=True, timeout=1200,
-                          stdin=subprocess.DEVNULL)
+    unless it fails), or with what it printed last when it runs past `timeout_s`."""
+    try:
+        done = subprocess.run(cmd, cwd=cwd, env=command_env(env), capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as late:  # its streams are bytes here, whatever `text` says
+        out, err = ((s.decode(errors="replace") if isinstance(s, bytes) else s or "") for s in (late.stdout, late.stderr))
+        pytest.fail(f"{' '.join(cmd)} was still running after {timeout_s:.0f} s and was killed; the end of its "
+                    f"stdout:\n{out[-4000:]}\nand of its stderr:\n{err[-4000:]}", pytrace=False)
     output = done.stdout + done.stderr
     assert (done.returncode != 0) == fail, f"{' '.join(cmd)} exited {done.returncode}:\n{output[-8000:]}"
     return output
