@@ -112,7 +112,8 @@ def test_pipeline_on_smollm2_measured_on_vllm(built, tmp_path_factory):
     answers, both drafters train on them, and each drafter's tau is measured by the decoder and on vLLM serving
     SmolLM2 (the stage fails where they disagree beyond eval.engine_tolerance). Each eval serves its drafter's
     speculators export, so the export stage does not serve it again (export.serve=false): one vLLM start fewer.
-    On a 2-core CPU beside another test worker this run takes about 25 minutes."""
+    On a 2-core CPU beside another test worker the pipeline took 1,051 s; its limit leaves room for a slower
+    machine."""
     from omegaconf import OmegaConf
 
     from helpers import commit, micro_pipeline_repo, ran_stages, run
