@@ -3,7 +3,13 @@ it) and the two tiers.
 
 The fast tier is the default: `pytest` leaves out every test marked with one of SLOW_TIER (it starts a service,
 runs the pipeline or a stage as subprocesses, starts several processes, or takes tens of seconds) and says so at the end.
-`pytest --all` runs everything, as CI does (`.ci/run`); `-m` picks tests by marker as usual."""
+`pytest --all` runs everything, as CI does (`.ci/run`); `-m` picks tests by marker as usual.
+
+The budget, on the 2-core CI machine (tests/suite_clock.py prints where a run's time went, against it): the fast
+tier under 3 minutes; the whole suite (`.ci/run`, the setup included) under 45 minutes; no test file over 15
+minutes alone, so that both xdist workers stay busy to the end. A slow test says in its docstring what it starts
+(a pipeline, a vLLM server, a tracking server) and what it costs; before adding one, reuse the fixture that
+already builds what it needs."""
 from __future__ import annotations
 
 import os
@@ -13,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TEXTS
+from suite_clock import SuiteClock
 
 SLOW_TIER = {
     "service": "starts a real server (vLLM, mlflow server, PostgreSQL, sshd, S3, transformers serve)",
@@ -31,6 +38,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for marker, what in SLOW_TIER.items():
         config.addinivalue_line("markers", f"{marker}: {what}; left out of the default run, `pytest --all` runs it")
+    if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller, or pytest without -n
+        config.pluginmanager.register(SuiteClock(slow_tier=bool(config.getoption("--all") or config.getoption("markexpr")),
+                                                 whole=not config.option.file_or_dir), "suite-clock")
 
 
 # The files that take longest, longest first (minutes on a 2-core AVX2 machine, run alone): `--all` starts with
