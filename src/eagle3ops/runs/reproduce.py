@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import yaml
 from mlflow import MlflowClient
 
 from eagle3ops.errors import InputError
 from eagle3ops.runs.records import load_pipeline
-from eagle3ops.tracking.lineage import lock_outputs
+from eagle3ops.tracking.lineage import load_yaml, lock_outputs
 from eagle3ops.tracking.metrics import HEADLINE, METRICS_DIR, read_all
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
@@ -75,7 +74,7 @@ def reproduce(client: MlflowClient, run_id: str, repo: Path, tracking_uri: str, 
         _run(["dvc", "repro", "--force"], worktree, env)
         recorded = lock_outputs(staging / "lineage" / "dvc.lock")
         again = lock_outputs(worktree / "dvc.lock")
-        params = yaml.safe_load((worktree / "params.yaml").read_text())
+        params = load_yaml((worktree / "params.yaml").read_text())
         outputs = [{"path": path, "kind": _kind(path, params), "recorded": md5, "reproduced": again.get(path),
                     "identical": again.get(path) == md5} for path, md5 in sorted(recorded.items())]
         metrics = _metric_moves(record, read_all(worktree / "metrics"))

@@ -68,6 +68,12 @@ def _git_state_without_git(root: Path) -> tuple[str, bool]:
     return commit, any(map(counts, changed))
 
 
+def load_yaml(text: str):
+    """DVC's files (dvc.yaml, dvc.lock, params.yaml), parsed by libyaml where PyYAML has it: every stage reads
+    dvc.lock several times, and the pure-Python parser takes a tenth of a second a read."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 ITEM_FIELD = re.compile(r"\$\{\s*item\.(\w+)\s*\}")  # a foreach stage's own value: ${item.keys}
 INTERPOLATED = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*\}")  # ${train.out_dir}, ${item.from}, ${key}
 
@@ -79,7 +85,7 @@ def stage_definition(root: Path, stage: str) -> dict | None:
     if not path.is_file():
         return None
     name, _, item = stage.partition("@")
-    entry = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}).get(name)
+    entry = ((load_yaml(path.read_text(encoding="utf-8")) or {}).get("stages") or {}).get(name)
     if not isinstance(entry, dict):
         return None
     if "foreach" not in entry:
@@ -135,7 +141,7 @@ def put_back_outputs(root: Path, stage: str) -> tuple[list[str], list[str]]:
 def pipeline_params(root: Path) -> set[str]:
     """The params keys that some stage of dvc.yaml declares: those that define a pipeline run."""
     path = root / "dvc.yaml"
-    stages = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}) if path.is_file() else {}
+    stages = ((load_yaml(path.read_text(encoding="utf-8")) or {}).get("stages") or {}) if path.is_file() else {}
     keys: set[str] = set()
     for name, entry in stages.items():
         items = entry.get("foreach") if isinstance(entry, dict) else None
@@ -150,7 +156,7 @@ def params_overrides(root: Path, params_file: str = "params.yaml") -> dict[str, 
     committed, current = git(root, "show", f"HEAD:{params_file}"), root / params_file
     if committed is None or not current.is_file():
         return {}
-    before, after = (_flat(yaml.safe_load(text) or {}) for text in (committed, current.read_text(encoding="utf-8")))
+    before, after = (_flat(load_yaml(text) or {}) for text in (committed, current.read_text(encoding="utf-8")))
     return {key: value for key, value in after.items() if before.get(key, object()) != value}
 
 
@@ -172,7 +178,7 @@ def lock_stages(lock: Path) -> dict[str, dict]:
     """{stage name: its dvc.lock entry}; empty when there is no lock yet."""
     if not lock.is_file():
         return {}
-    return (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    return (load_yaml(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
 
 
 def lock_outputs(lock: Path) -> dict[str, str]:

@@ -33,6 +33,7 @@ from eagle3ops.tracking.lineage import (
     git_state,
     input_md5s,
     link_cached_stages,
+    load_yaml,
     stamp_finished_stages,
     tag_experiment_commits,
 )
@@ -104,7 +105,7 @@ def _runs_on_to_the_report(stage: str, root: Path) -> bool:
         return False
     try:
         arguments = process.cmdline()
-        names = set((yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {}))
+        names = set((load_yaml((root / "dvc.yaml").read_text()) or {}).get("stages", {}))
     except (psutil.Error, OSError, yaml.YAMLError):
         return False
     targeted = any(arg.rpartition(":")[2].partition("@")[0] in names for arg in arguments)
