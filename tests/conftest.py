@@ -13,6 +13,8 @@ already builds what it needs."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for marker, what in SLOW_TIER.items():
         config.addinivalue_line("markers", f"{marker}: {what}; left out of the default run, `pytest --all` runs it")
     if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller, or pytest without -n
+        # the engine sessions the stages leave running (serving/session.py): this run's own, found again by its
+        # later tests (the workers inherit the variable), and stopped at its end
+        os.environ["EAGLE3OPS_ENGINE_DIR"] = tempfile.mkdtemp(prefix="eagle3ops-test-engines-")
         config.pluginmanager.register(SuiteClock(slow_tier=bool(config.getoption("--all") or config.getoption("markexpr")),
                                                  whole=not config.option.file_or_dir), "suite-clock")
 
@@ -70,6 +75,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and "EAGLE3OPS_ENGINE_DIR" in os.environ:
+        from eagle3ops.serving.registry import running, stop
+
+        for record in running():
+            stop(record["key"])
+        shutil.rmtree(os.environ.pop("EAGLE3OPS_ENGINE_DIR"), ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

@@ -136,6 +136,8 @@ MICRO = [
     # 8 prompts of 24 tokens: about 150 verification steps, so one near-tie that vLLM's batching (8 requests in
     # flight, batched differently run to run) rounds the other way moves an a_i by 0.007
     "eval.engine_tolerance=0.1",
+    # the engine sessions of two test workers' pipelines at once (each the target alone and with a drafter)
+    "vllm.engines_kept=4",
 ]
 
 

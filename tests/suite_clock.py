@@ -31,7 +31,7 @@ class VllmWatch:
     so none slips between two looks); `started` is how many it saw, `alive_s` how long they lived together."""
 
     def __init__(self, every_s: float = 1.0) -> None:
-        self.every_s = every_s
+        self.every_s, self.since = every_s, time.time()  # servers already running before are not this run's
         self.first_seen: dict[tuple[int, float], float] = {}
         self.last_seen: dict[tuple[int, float], float] = {}
         self._stop = threading.Event()
@@ -49,7 +49,8 @@ class VllmWatch:
         while not self._stop.is_set():
             now = time.time()
             for process in psutil.process_iter(["cmdline", "create_time"]):
-                if VLLM_SERVER in " ".join(process.info["cmdline"] or ()):
+                if (VLLM_SERVER in " ".join(process.info["cmdline"] or ())
+                        and (process.info["create_time"] or 0) >= self.since):
                     key = (process.pid, process.info["create_time"])
                     self.first_seen.setdefault(key, process.info["create_time"])
                     self.last_seen[key] = now

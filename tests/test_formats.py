@@ -505,7 +505,9 @@ def test_cli_export_validate_import(ours, tmp_path, tiny_target_dir, capsys):
 def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tmp_path, monkeypatch, capsys, vocab,
                                                                               tiny_target_dir):
     isolate(monkeypatch, tmp_path)
-    (tmp_path / "params.yaml").write_text(f"target: {{path: {tiny_target_dir}, lineage_dep: {tiny_target_dir}}}\n")
+    # a server of the stage's own (vllm.engine_idle_s 0): the engine sessions are tests/test_engine_session.py's
+    (tmp_path / "params.yaml").write_text(f"target: {{path: {tiny_target_dir}, lineage_dep: {tiny_target_dir}}}\n"
+                                          "vllm: {engine_idle_s: 0}\n")
     assert main(["export"]) == 1  # no eval has run: no champion to export
     assert "export.drafter champion: neither metrics/eval-scratch.json" in capsys.readouterr().err
     for init, seed in (("scratch", 1), ("warm_start", 2)):
@@ -536,9 +538,9 @@ def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tm
     assert not (tmp_path / "models" / "export" / "SERVING.md").exists()
     metrics = json.loads((tmp_path / "metrics" / "export.json").read_text())
     assert metrics["warnings"] == 0 and metrics["sglang_mb"] > 0 and metrics["speculators_mb"] > 0
-    # served once on vLLM as SERVING.md prints it (the random drafter drafts, whatever it gets accepted)
-    assert metrics["served_drafts"] > 0 and 1.0 <= metrics["served_tau"] <= 4.0
-    assert "export: vLLM served models/export/speculators" in out
+    # its weights on vLLM with the target (the random drafter drafts, whatever it gets accepted)
+    assert metrics["served_drafts"] > 0 and 1.0 <= metrics["served_tau"] <= 4.0 and metrics["engine_started"] == 1
+    assert "export: vLLM drafted with models/export/speculators" in out
 
 
 @pytest.mark.parametrize("key, value", [("export.formats=[sglang,onnx]", "export.formats"),

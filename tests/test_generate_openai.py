@@ -148,6 +148,7 @@ def test_backend_vllm_starts_and_stops_its_own_server_and_answers_as_a_running_o
     OmegaConf.save({"target": {"path": str(tiny_target_dir), "lineage_dep": str(tiny_target_dir)},
                     "data": {"conversations": "chats.jsonl"},
                     "generate": {"backend": "vllm", "max_new_tokens": 12, "openai": {"concurrency": 4}},
+                    "vllm": {"engine_idle_s": 0},  # a server of the stage's own (engine sessions: test_engine_session.py)
                     "mlflow": {"system_metrics": False, "registered_model": None}}, tmp_path / "params.yaml")
     def engines() -> set[int]:
         return {p.pid for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline())}

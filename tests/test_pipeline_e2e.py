@@ -96,7 +96,12 @@ def test_repro_builds_every_stage(repo, first_run):
     headline = json.loads((repo / "metrics.json").read_text())
     assert set(headline["tau_vllm"]) == set(headline["speedup_vllm"]) == {"baseline", "scratch", "warm_start"}
     export = json.loads((repo / "metrics" / "export.json").read_text())
-    assert export["served_drafts"] > 0  # the export stage served its speculators export on vLLM
+    assert export["served_drafts"] > 0  # vLLM drafted with the export's weights
+    # engine sessions: the baseline's eval started the two engines (the target with a drafter, the target alone);
+    # the other evals and the export found the first and swapped their drafters in
+    starts = {d: json.loads((repo / "metrics" / f"eval-{d}.json").read_text())["vllm"]["engine_starts"]
+              for d in ("baseline", "scratch", "warm_start")}
+    assert starts == {"baseline": 2, "scratch": 0, "warm_start": 0} and export["engine_started"] == 0
     assert (repo / "reports" / "comparison.png").stat().st_size > 10_000
 
 
@@ -245,6 +250,10 @@ def test_changing_lr_reruns_only_train_eval_report(repo, first_run):
     assert ran_stages(output) == ["train@scratch", "train@warm_start", "eval@scratch", "eval@warm_start", "export",
                                   "report"]
     assert lock_md5(repo, "train@scratch", "models/drafters/scratch") != before
+    # the experiment's evals and export found the first run's engine: no target loaded again
+    assert [json.loads((repo / "metrics" / f"eval-{d}.json").read_text())["vllm"]["engine_starts"]
+            for d in ("scratch", "warm_start")] == [0, 0]
+    assert json.loads((repo / "metrics" / "export.json").read_text())["engine_started"] == 0
 
     # The experiment's parent run is named after it and still shows the whole chain: the stages DVC skipped
     # are linked to the runs that produced their outputs.

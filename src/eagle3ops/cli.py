@@ -492,6 +492,32 @@ def _validate_export(args) -> int:
     return 0 if report.ok else 1
 
 
+def _engine_arguments(engine: argparse.ArgumentParser) -> None:
+    engine.add_argument("action", choices=["ls", "stop"], help="ls: the engines running on this machine; stop: stop "
+                                                               "them (the KEYs given, or --all)")
+    engine.add_argument("keys", nargs="*", metavar="KEY", help="stop: engines by key (a prefix will do), as ls shows")
+    engine.add_argument("--all", action="store_true", help="stop: every engine on this machine")
+
+
+def _engine(args) -> int:
+    from tabulate import tabulate
+
+    from eagle3ops.serving.registry import describe, engine_dir, running, stop
+
+    if args.action == "ls":
+        engines = [describe(record) for record in running()]
+        print(tabulate(engines, headers="keys") if engines else f"no engine is running ({engine_dir()})")
+        return 0
+    if not args.keys and not args.all:
+        raise UsageError("engine stop: name the engines to stop (KEY ..., as `eagle3ops engine ls` shows) or --all")
+    keys = [record["key"] for record in running()] if args.all else args.keys
+    unknown = [key for key in keys if not stop(key)]
+    print(f"stopped {len(keys) - len(unknown)} engine(s)")
+    if unknown:
+        raise UsageError(f"engine stop: no engine {', '.join(unknown)} on this machine (`eagle3ops engine ls`)")
+    return 0
+
+
 def _tracking_server_arguments(server: argparse.ArgumentParser) -> None:
     from eagle3ops.tracking.server import AUTH_CONFIG, PERMISSIONS, ServerOptions
 
@@ -617,6 +643,14 @@ COMMANDS = (
             "settings, dtypes, and the head sizes vLLM serves on this machine. With --serve, the "
             "speculators export is then served once on vLLM as the printed command serves it, and its "
             "spec-decode counters must move. Exit 1 when it is invalid."),
+    Command("engine", "the vLLM engine sessions the stages share on this machine: ls, stop", _engine,
+            _engine_arguments,
+            "Where vllm.engine_idle_s is not 0, a vLLM server a stage starts outlives it and serves the later stages "
+            "of this run and of later runs that need the same engine (the same target by content, dtype, seed and "
+            "engine settings, a drafter of the same shape): drafters are swapped into it instead of loading the "
+            "target again. Each stops by itself once unused for vllm.engine_idle_s. `ls` shows them: target, "
+            "drafter or not, port, who started it and when, last use, memory, log; `stop` stops them now "
+            "(docs/serving.md, \"Engine sessions\")."),
     Command("tracking-server", "start the team's MLflow server: PostgreSQL, served artifacts, basic auth",
             _tracking_server, _tracking_server_arguments,
             "Start `mlflow server` for the team: runs and users in PostgreSQL ($EAGLE3OPS_DB_URI = "

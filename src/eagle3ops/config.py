@@ -604,6 +604,10 @@ class VllmConfig(Section):
     max_model_len: Optional[int] = None  # null = the target's max_position_embeddings
     ready_timeout_s: float = 900.0  # a server not answering /health by then stops the stage (its log named)
     extra_args: list[str] = field(default_factory=list)  # appended to the command line, e.g. [--max-num-seqs, "64"]
+    # engine sessions (serving/session.py): a server outlives its stage and serves the later ones, drafters swapped in
+    engine_idle_s: float = 900.0  # an engine unused this long stops; 0 = each stage starts and stops its own servers
+    engines_kept: Optional[int] = None  # engines kept at once on the machine, the least recently used stopped first;
+    # null = 1 with a GPU (each takes gpu_memory_utilization of it), 2 without
 
     def check(self) -> Iterator[tuple[str, str]]:
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
@@ -616,6 +620,10 @@ class VllmConfig(Section):
             yield "max_model_len", "must be positive (or null: the target's)"
         if self.ready_timeout_s <= 0:
             yield "ready_timeout_s", "must be positive"
+        if self.engine_idle_s < 0:
+            yield "engine_idle_s", "must be 0 (a server per stage) or more"
+        if self.engines_kept is not None and self.engines_kept < 1:
+            yield "engines_kept", "must be at least 1 (or null: 1 with a GPU, 2 without)"
 
 
 @dataclass

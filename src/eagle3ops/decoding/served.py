@@ -2,9 +2,11 @@
 
 The drafter is exported to the speculators layout first (vLLM's layer-id convention; the same export the
 export stage writes), then served with the target exactly as users serve it: acceptance from vLLM's own
-counters, each prompt's generated ids, and tokens/s. With `target_alone` (the baseline's eval, once a pipeline:
-each server loads the whole target), a second server, the target alone, answers the same requests: what the
-drafters' speed on this hardware is divided by.
+counters, each prompt's generated ids, and tokens/s. The server is the run's engine session
+(serving/session.py): found where an earlier stage left one of this target and drafter shape, the drafter's
+weights swapped in; started otherwise. With `target_alone` (the baseline's eval), an engine of the target alone
+answers the same requests: what the drafters' speed on this hardware is divided by; it is the session the
+generate stage's vLLM backend uses, where it ran.
 
 Agreement. In greedy decoding both sides verify with the same target, so each prompt's output is the target's
 greedy output and the drafts accepted are the same, up to float rounding between the two implementations: in
@@ -37,6 +39,7 @@ from eagle3ops.formats.checkpoint import read_json
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.validate import verifier_path
 from eagle3ops.modeling.target import text_config
+from eagle3ops.serving.session import Engine, EngineSpec, engine
 from eagle3ops.serving.vllm import cpu_head_size_problems, installed_version, vllm_server
 
 WORK_DIR = Path(".eagle3ops")
@@ -51,6 +54,7 @@ class Served:
     with_drafter: dict[str, SetMeasurement]
     target_alone: dict[str, SetMeasurement] | None
     version: str
+    engines: list[Engine]  # the engines it was measured on, found or started
 
     def overall(self, k: int) -> AcceptanceStats:
         return AcceptanceStats.merged(k, [m.stats for m in self.with_drafter.values()])
@@ -75,22 +79,27 @@ def check_servable(target_dir: str | Path, drafter_head_dim: int) -> None:
 def measure_on_vllm(target_dir: str | Path, drafter_dir: str | Path, dtype: str, settings: VllmConfig,
                     sets: dict[str, list[dict]], encode: Callable[[list[dict]], list[int]], k: int,
                     max_new_tokens: int, temperature: float, concurrency: int, seed: int, name: str,
-                    target_alone: bool = True) -> Served:
-    """`drafter_dir` served with the target on vLLM (and, with `target_alone`, the target without it)."""
-    version = installed_version()
+                    target_alone: bool = True, chat_template: str | None = None) -> Served:
+    """`drafter_dir` served with the target on vLLM (and, with `target_alone`, the target without it, rendering
+    chats with `chat_template` as generation's engine does, so that the two share it)."""
+    version, engines, alone = installed_version(), [], None
+    if target_alone:  # first: with one engine kept (a GPU), the one with the drafter is then what later stages find
+        with engine(EngineSpec(str(target_dir), dtype, seed, chat_template=chat_template), settings,
+                    f"eval@{name}, target alone") as served:
+            engines.append(served)
+            alone = measure_plain(served.url, sets, max_new_tokens, temperature, concurrency,
+                                  f"eval@{name} on vLLM, target alone", encode)
     WORK_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"vllm-{name}-", dir=WORK_DIR) as work:
         export = Path(work) / "speculators"
         export_drafter(drafter_dir, export, "speculators", target_dir, speculative_tokens=k)
-        with vllm_server(target_dir, dtype, settings, f"eval-{name}", seed, drafter=export, k=k) as url:
-            with_drafter = measure("vllm", url, sets, k, max_new_tokens, temperature, concurrency,
+        with engine(EngineSpec(str(target_dir), dtype, seed, drafter=str(export), k=k), settings,
+                    f"eval@{name}") as served:
+            engines.append(served)
+            served.use_drafter(export)
+            with_drafter = measure("vllm", served.url, sets, k, max_new_tokens, temperature, concurrency,
                                    f"eval@{name} on vLLM", encode)
-    alone = None
-    if target_alone:
-        with vllm_server(target_dir, dtype, settings, f"eval-{name}-target-alone", seed) as url:
-            alone = measure_plain(url, sets, max_new_tokens, temperature, concurrency,
-                                  f"eval@{name} on vLLM, target alone", encode)
-    return Served(with_drafter, alone, version)
+    return Served(with_drafter, alone, version, engines)
 
 
 def side_by_side(decoder: AcceptanceStats, engine: AcceptanceStats, decoder_sets: dict[str, AcceptanceStats],
@@ -129,10 +138,27 @@ def serve_export(export_dir: str | Path, dtype: str, settings: VllmConfig, log_n
     relative = not verifier_path(read_json(export_dir / "config.json")).is_absolute()
     with tempfile.TemporaryDirectory() as elsewhere, \
             vllm_server(export_dir, dtype, settings, log_name, cwd=Path.cwd() if relative else elsewhere) as url:
-        model = served_model(url)
-        tokens = sum(complete(url, model, f"smoke-{i}", prompt, max_new_tokens, 0.0)[0]
-                     for i, prompt in enumerate(SMOKE_PROMPTS))
-        counters = settled_counters(f"{url}/metrics")
+        return _drafts_on(url, export_dir, max_new_tokens)
+
+
+def drafts_in_session(export_dir: str | Path, target_dir: str | Path, dtype: str, seed: int, settings: VllmConfig,
+                      max_new_tokens: int = 32) -> dict:
+    """The export stage's check: the speculators export's weights in the run's engine session of this target and
+    drafter shape (the one eval measured on, found, or started with this export), a few prompts, and vLLM's
+    counters must show drafts. Returns the counters of those prompts; EngineError when it drafted nothing."""
+    k = read_json(Path(export_dir) / "config.json")["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    with engine(EngineSpec(str(target_dir), dtype, seed, drafter=str(export_dir), k=k), settings, "export") as served:
+        served.use_drafter(export_dir)
+        return {**_drafts_on(served.url, export_dir, max_new_tokens), "engine_started": int(served.started)}
+
+
+def _drafts_on(url: str, export_dir: str | Path, max_new_tokens: int) -> dict:
+    """SMOKE_PROMPTS on the server at `url`, greedy; what its spec-decode counters moved by."""
+    model, metrics = served_model(url), f"{url}/metrics"
+    before = settled_counters(metrics)
+    tokens = sum(complete(url, model, f"smoke-{i}", prompt, max_new_tokens, 0.0)[0]
+                 for i, prompt in enumerate(SMOKE_PROMPTS))
+    counters = settled_counters(metrics) - before
     if counters.drafts == 0:
         raise EngineError(f"{export_dir}: vLLM served it and generated {tokens} tokens but drafted nothing: the "
                           f"speculative decoding did not run")

@@ -41,7 +41,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -95,10 +95,10 @@ def managed_server(name: str, argv: list[str], port: int, log_path: str | Path, 
     url = f"http://127.0.0.1:{port}"
     with _sigterm_raises(), open(log_path, "wb") as log:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-                                  start_new_session=True, preexec_fn=_die_with_parent,
+                                  start_new_session=True, preexec_fn=die_with_parent,
                                   env={**os.environ, **(env or {})})
         try:
-            _wait_ready(name, server, f"{url}{ready_path}", log_path, ready_timeout_s)
+            wait_ready(name, server, f"{url}{ready_path}", log_path, ready_timeout_s)
             try:
                 yield url
             except Exception as err:
@@ -119,7 +119,7 @@ def _healthy(server: subprocess.Popen, health_url: str) -> bool:
         return False
 
 
-def _wait_ready(name: str, server: subprocess.Popen, health_url: str, log_path: Path, timeout_s: float) -> None:
+def wait_ready(name: str, server: subprocess.Popen, health_url: str, log_path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if server.poll() is not None:

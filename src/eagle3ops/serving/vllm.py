@@ -37,6 +37,7 @@ import torch
 
 from eagle3ops.config import VllmConfig
 from eagle3ops.errors import InputError
+from eagle3ops.serving.registry import make_room
 from eagle3ops.serving.server import free_port, managed_server
 
 # vLLM 0.32's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes); a model
@@ -57,6 +58,11 @@ class VllmUnavailable(InputError):
 
 def on_gpu() -> bool:
     return torch.cuda.is_available()
+
+
+def engines_kept(settings: VllmConfig) -> int:
+    """vllm.engines_kept; null = 1 with a GPU (an engine takes gpu_memory_utilization of it), 2 without."""
+    return settings.engines_kept or (1 if on_gpu() else 2)
 
 
 def installed_version() -> str:
@@ -188,6 +194,8 @@ def vllm_server(model: str | Path, dtype: str, settings: VllmConfig, log_name: s
     the template's text, served instead of the tokenizer's own (target.chat_template); `cwd`: where it runs;
     `capture`: the hidden states it writes."""
     version = installed_version()
+    if on_gpu():  # engine sessions left idle by earlier stages hold the GPU's memory (serving/session.py)
+        make_room(engines_kept(settings))
     port = free_port()
     log = (LOG_DIR / f"vllm-{log_name}.log").resolve()
     print(f"vllm: starting vLLM {version} for {model}" + (f" with the drafter {drafter}" if drafter else "")

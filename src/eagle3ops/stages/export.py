@@ -1,11 +1,12 @@
 """Stage `export`: the champion among train's drafters (or the one export.drafter names) written in the layouts
 SGLang and vLLM load, each validated against the target before it is written, with the launch commands in
-export.guide (SERVING.md); with export.serve, the speculators export then served once on vLLM as SERVING.md prints
-it: the stage fails unless vLLM drafts with it."""
+export.guide (SERVING.md); with export.serve, the speculators export's weights then loaded into the run's vLLM
+engine session (the one eval measured the drafters on; serving/session.py): the stage fails unless vLLM drafts
+with them. `eagle3ops validate-export --serve` serves an export exactly as SERVING.md prints it."""
 from pathlib import Path
 
 from eagle3ops.config import Config, TrainInit
-from eagle3ops.decoding.served import SMOKE_PROMPTS, serve_export
+from eagle3ops.decoding.served import SMOKE_PROMPTS, drafts_in_session
 from eagle3ops.errors import InputError
 from eagle3ops.formats.export import export_drafter, serving_guide
 from eagle3ops.fs import atomic_dir, write_text_atomic
@@ -53,7 +54,8 @@ def run(cfg: Config) -> None:
         served = {}
         if cfg.export.serve and "speculators" in reports:
             with tracked.phase("serve"):
-                served = serve_export(out_dir / "speculators", cfg.target.dtype, cfg.vllm)
-            print(f"export: vLLM served {out_dir / 'speculators'}: {served['served_drafts']} draft steps, "
+                served = drafts_in_session(out_dir / "speculators", cfg.target.path, cfg.target.dtype, cfg.seed,
+                                           cfg.vllm)
+            print(f"export: vLLM drafted with {out_dir / 'speculators'}: {served['served_drafts']} draft steps, "
                   f"tau {served['served_tau']:.3f} on {len(SMOKE_PROMPTS)} prompts", flush=True)
         record(tracked, "export", {"warnings": sum(len(r.warnings) for r in reports.values()), **sizes, **served})

@@ -22,7 +22,7 @@ from eagle3ops.generation.openai import regenerate_openai
 from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.resume import resume_point
-from eagle3ops.serving.vllm import vllm_server
+from eagle3ops.serving.session import EngineSpec, engine
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
@@ -75,13 +75,15 @@ def _regenerate_hf(cfg: Config, conversations: list[dict], tracked, work: Path, 
 
 
 def _regenerate_vllm(cfg: Config, conversations: list[dict], tracked, work: Path, metrics: dict) -> list[dict]:
-    """The openai backend against a vLLM server of the target that this stage starts and stops."""
+    """The openai backend against the run's vLLM engine of the target alone (serving/session.py), found or started
+    here; eval measures the target alone on the same engine."""
     template = read_chat_template(cfg.target.chat_template) if cfg.target.chat_template else None
-    with ExitStack() as server:
-        with tracked.phase("load"):  # the server's start: the engine loading the target
-            url = server.enter_context(vllm_server(cfg.target.path, cfg.target.dtype, cfg.vllm, "generate",
-                                                   cfg.seed, chat_template=template))
-        endpoint = replace(cfg.generate.openai, base_url=f"{url}/v1", model=None)
+    with ExitStack() as held:
+        with tracked.phase("load"):  # the engine's start, where it must start: loading the target
+            served = held.enter_context(engine(EngineSpec(cfg.target.path, cfg.target.dtype, cfg.seed,
+                                                          chat_template=template), cfg.vllm, "generate"))
+        tracked.set_tags({"eagle3ops.engines": served.summary()})
+        endpoint = replace(cfg.generate.openai, base_url=f"{served.url}/v1", model=None)
         return _regenerate_openai(cfg, endpoint, conversations, tracked, work, metrics)
 
 

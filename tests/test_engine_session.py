@@ -1,0 +1,170 @@
+"""Engine sessions (serving/session.py) on real vLLM servers of the CPU build: a later stage finds the engine an
+earlier one started and swaps its drafter in, drafting exactly as a server started with that drafter does; a
+record that lies about its server and an engine that died are replaced, never used; an idle engine stops by itself;
+an engine started when vllm.engines_kept are running makes room; `eagle3ops engine ls` and `stop`.
+
+Starts four vLLM servers of the tiny target (about 30 s each on 2 cores, alone): the session's engine, a
+stage-local one with the second drafter (the reference), the engine again after it was killed, and one of the
+target alone. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import httpx2
+import psutil
+import pytest
+import torch
+
+from eagle3ops.cli import main
+from eagle3ops.config import VllmConfig
+from eagle3ops.decoding.engines import SpecCounters, settled_counters
+from eagle3ops.formats.export import export_drafter
+from eagle3ops.formats.specforge import save_drafter
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.serving.registry import running, stop
+from eagle3ops.serving.session import EngineSpec, engine
+from helpers import loopback_server
+
+pytestmark = pytest.mark.service
+
+PROMPTS = [[5 + i, 17, 33, 8, 91, 40, 12, 7] * 4 for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """This module's own engine directory: what it starts, it counts and stops."""
+    directory = tmp_path_factory.mktemp("engines")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EAGLE3OPS_ENGINE_DIR", str(directory))
+        yield directory
+        for record in running():
+            stop(record["key"])
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_target_dir, tmp_path_factory) -> list[Path]:
+    """Two random drafters of one shape for the tiny target, as eval serves them (speculators exports)."""
+    root, vocab = tmp_path_factory.mktemp("drafters"), json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    paths = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1,
+                                        num_key_value_heads=1, vocab_size=vocab, draft_vocab_size=vocab,
+                                        target_hidden_size=32, aux_layers=[1, 2, 3], max_position_embeddings=512))
+        draft.t2d.fill_(True)
+        save_drafter(draft, root / f"trained-{seed}")
+        export_drafter(root / f"trained-{seed}", root / f"export-{seed}", "speculators", tiny_target_dir)
+        paths.append(root / f"export-{seed}")
+    return paths
+
+
+def drafted(url: str) -> tuple[SpecCounters, list[str]]:
+    """PROMPTS one after another, greedy: what the spec-decode counters moved by, and the texts."""
+    before = settled_counters(f"{url}/metrics")
+    model = httpx2.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    texts = [httpx2.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 24,
+                                                          "temperature": 0}, timeout=120).json()["choices"][0]["text"]
+             for prompt in PROMPTS]
+    return settled_counters(f"{url}/metrics") - before, texts
+
+
+def spec(target: Path, export: Path | None = None) -> EngineSpec:
+    return EngineSpec(str(target), "float32", 0, drafter=str(export) if export else None)
+
+
+def test_a_lying_record_is_replaced_and_a_later_stage_finds_the_engine(engines, exports, tiny_target_dir, capsys):
+    """A record of this engine's key whose port answers as another model (a port taken over by another server) is
+    stopped and replaced, never used; the next stage then finds the engine started in its place."""
+    settings = VllmConfig()
+    key = spec(tiny_target_dir, exports[0]).key(settings)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+
+    class OtherModel(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "other", "root": "/models/other"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    with loopback_server(OtherModel) as url:
+        (engines / f"{key}.json").write_text(json.dumps({
+            "key": key, "model": str(tiny_target_dir.resolve()), "url": url, "supervisor_pid": stand_in.pid,
+            "lock": str(engines / f"{key}.lock"), "started_at": 0, "started_by": "nobody", "log": "-",
+            "start_s": 1.0, "drafter": True}))
+        with engine(spec(tiny_target_dir, exports[0]), settings, "first") as first:
+            assert first.started and first.url != url
+    stand_in.wait(timeout=30)  # what the lying record named was stopped (and reaped by the stop)
+    assert not psutil.pid_exists(stand_in.pid)
+    out = capsys.readouterr().out
+    assert f"engine {key} at {url} does not answer as its target: stopping it" in out
+    with engine(spec(tiny_target_dir, exports[1]), settings, "second") as second:
+        assert not second.started and second.url == first.url and second.key == key
+    assert f"vllm: engine {key} found at {first.url} (started by first" in capsys.readouterr().out
+    assert [record["key"] for record in running()] == [key]
+
+
+def test_a_swapped_drafter_drafts_as_a_server_started_with_it(engines, exports, tiny_target_dir):
+    """The second drafter's weights loaded into the engine started with the first: vLLM's counters and outputs are
+    those of a server of the stage's own started with the second (vllm.engine_idle_s 0); the first drafts
+    differently, so a swap that did not happen would show."""
+    settings = VllmConfig()
+    with engine(spec(tiny_target_dir, exports[0]), settings, "first again") as served:
+        assert not served.started and not served.use_drafter(exports[0])  # its weights already
+        first = drafted(served.url)
+        assert served.use_drafter(exports[1])
+        swapped = drafted(served.url)
+        assert not served.use_drafter(exports[1])
+    with engine(spec(tiny_target_dir, exports[1]), VllmConfig(engine_idle_s=0), "reference") as own:
+        assert own.started and not own.key
+        reference = drafted(own.url)
+    assert swapped == reference and reference[0].drafts > 0
+    assert first[0] != reference[0]
+    assert first[1] == reference[1]  # greedy: the target's output whatever drafts
+
+
+def test_a_killed_engine_is_replaced(engines, exports, tiny_target_dir):
+    """The engine's server killed between two stages: its supervisor sees it and forgets it, and the next stage
+    starts another."""
+    (record,) = running()
+    supervisor = psutil.Process(record["supervisor_pid"])
+    (server,) = [p for p in supervisor.children() if "vllm.entrypoints" in " ".join(p.cmdline())]
+    server.send_signal(signal.SIGKILL)
+    supervisor.wait(timeout=30)
+    assert running() == []
+    with engine(spec(tiny_target_dir, exports[0]), VllmConfig(), "after the kill") as again:
+        assert again.started and again.url != record["url"]
+
+
+def test_room_is_made_for_an_engine_beyond_engines_kept_and_an_idle_one_stops(engines, exports, tiny_target_dir,
+                                                                             capsys):
+    """With vllm.engines_kept 1, starting the target alone stops the idle engine with a drafter first; `eagle3ops
+    engine ls` shows the one left, which, started with vllm.engine_idle_s 5, stops by itself once unused,
+    processes and all."""
+    (with_drafter,) = running()
+    capsys.readouterr()
+    with engine(spec(tiny_target_dir), VllmConfig(engines_kept=1, engine_idle_s=5), "target alone") as alone:
+        assert alone.started
+    assert f"vllm: stopping engine {with_drafter['key']}" in capsys.readouterr().out
+    assert not psutil.pid_exists(with_drafter["supervisor_pid"])
+    (record,) = running()
+    assert main(["engine", "ls"]) == 0
+    shown = capsys.readouterr().out
+    assert record["key"] in shown and record["url"] in shown and "target alone" in shown and not record["drafter"]
+    supervisor = psutil.Process(record["supervisor_pid"])
+    processes = [supervisor, *supervisor.children(recursive=True)]
+    deadline = time.monotonic() + 60
+    while running() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert running() == [] and not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert main(["engine", "stop", "--all"]) == 0 and "stopped 0 engine(s)" in capsys.readouterr().out
+    assert main(["engine", "stop", "nosuchkey"]) == 2
+    assert "no engine nosuchkey on this machine" in capsys.readouterr().err
+    assert os.environ["EAGLE3OPS_ENGINE_DIR"] == str(engines)
