@@ -38,6 +38,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Tiny models on a 2-core machine, two test workers: one thread a process, in the tests and in every stage,
+    # server and script they start. A second thread costs more in waiting than it computes, and OpenMP's spinning
+    # waits multiply that when processes share the cores (a stage beside the other worker ran 3 to 8 times slower).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     for marker, what in SLOW_TIER.items():
         config.addinivalue_line("markers", f"{marker}: {what}; left out of the default run, `pytest --all` runs it")
     if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller, or pytest without -n
@@ -92,19 +96,6 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         terminalreporter.write_line(
             f"fast tier: {left_out} slower tests left out (markers {', '.join(SLOW_TIER)}); "
             "`pytest --all` runs everything, as CI does", yellow=True)
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared 2-core machine: a second thread costs more in waiting than it computes.
-    A test module that runs many of them uses it for all its tests (autouse in the module)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,13 @@ waits and a loopback server, and the micro pipeline (the whole DVC lineage in mi
 repository. Test modules import it by name (`from helpers import ...`); fixtures live in conftest.py."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -44,13 +46,43 @@ OUTSIDE_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKI
 
 def isolate(monkeypatch: pytest.MonkeyPatch, root: Path, tracking_uri: str | None = None) -> str:
     """Work in `root` with no DVC/MLflow variables from outside and a tracking store of its own
-    (sqlite in `root` unless `tracking_uri` names one); returns the store's URI."""
+    (sqlite in `root`, as a fresh one, unless `tracking_uri` names one); returns the store's URI."""
     monkeypatch.chdir(root)
     for name in OUTSIDE_ENV:
         monkeypatch.delenv(name, raising=False)
+    if tracking_uri is None:
+        fresh_store(root / "mlflow.db")
     uri = tracking_uri or f"sqlite:///{root}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+@functools.cache
+def _empty_store() -> bytes:
+    """An MLflow sqlite store as MLflow creates it, made once a process: creating one runs every schema migration
+    (over a second each, in a suite that makes dozens)."""
+    import sqlite3
+
+    from mlflow import MlflowClient
+
+    with tempfile.TemporaryDirectory() as directory:
+        MlflowClient(f"sqlite:///{directory}/mlflow.db").search_experiments()
+        with sqlite3.connect(f"{directory}/mlflow.db") as db:
+            db.execute("UPDATE experiments SET artifact_location = 'DEFAULT' WHERE experiment_id = 0")
+        return Path(directory, "mlflow.db").read_bytes()
+
+
+def fresh_store(path: Path) -> None:
+    """A new, empty MLflow sqlite store at `path`, as MLflow would create it with `path`'s directory as the working
+    directory (its Default experiment's artifacts under mlruns/0 there)."""
+    import sqlite3
+
+    if path.exists():
+        return
+    path.write_bytes(_empty_store())
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                   (str(path.parent / "mlruns" / "0"),))
 
 
 

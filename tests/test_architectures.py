@@ -99,7 +99,6 @@ def save_target(name: str, tokenizer, path: Path) -> Path:
     return path
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))

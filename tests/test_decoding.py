@@ -35,7 +35,6 @@ from helpers import isolate
 V, H, LAYERS = 64, 32, 6
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ V, H = 16, 32  # a tiny vocabulary: the joint law of three tokens has only 16^3 
 PROMPT = [3, 1, 4, 1, 5]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:

@@ -123,7 +123,7 @@ def _same_weights(got: dict, expected: dict) -> None:
 
 
 @pytest.mark.processes
-def test_two_gloo_ranks_train_like_one_process_and_resume(tmp_path, monkeypatch, one_thread):
+def test_two_gloo_ranks_train_like_one_process_and_resume(tmp_path, monkeypatch):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     single, ranks = tmp_path / "single", tmp_path / "ranks"
@@ -234,8 +234,7 @@ def _stage_workspace(root: Path, target_dir: Path) -> None:
 
 
 @pytest.mark.processes
-def test_train_stage_under_torchrun_writes_once_what_one_process_writes(tmp_path, tiny_target_dir, monkeypatch,
-                                                                         one_thread):
+def test_train_stage_under_torchrun_writes_once_what_one_process_writes(tmp_path, tiny_target_dir, monkeypatch):
     single, ranks = tmp_path / "single", tmp_path / "ranks"
     _stage_workspace(single, tiny_target_dir)
     shutil.copytree(single, ranks)

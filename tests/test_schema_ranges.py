@@ -42,6 +42,7 @@ ZERO_ACCEPTED = {
     "TrainConfig.warm_start_min_coverage": "the predecessor's head never judged too small",
     "EvalConfig.temperature": "greedy, checked token for token against the target",
     "EvalConfig.engine_tolerance": "the engine's tau must equal the decoder's",
+    "VllmConfig.engine_idle_s": "no engine sessions: each stage starts and stops its own servers",
 }
 # ... and for which a negative one is: none. Every count, size, rate, temperature and index is refused below 0.
 NEGATIVE_ACCEPTED: dict[str, str] = {}
