@@ -52,16 +52,21 @@ def pytest_configure(config: pytest.Config) -> None:
                                                  whole=not config.option.file_or_dir), "suite-clock")
 
 
-# The files that take longest, longest first (minutes on a 2-core AVX2 machine, run alone): `--all` starts with
-# them, so that with `-n 2 --dist loadfile --no-loadscope-reorder` (pytest-xdist, as CI runs) neither worker is
-# left with a long file at the end while the other idles.
-LONGEST_FIRST = ["test_pipeline_e2e.py",  # 42
-                 "test_smollm2.py",  # 18
-                 "test_resume.py",  # 9
-                 "test_vllm_extract.py",  # 7
-                 "test_dvc_remotes.py",  # 6
-                 "test_outbox.py",  # 5
-                 "test_tracking_server.py"]
+# The files that take longest, longest first: `--all` starts with them, so that with `-n 2 --dist loadfile
+# --no-loadscope-reorder` (pytest-xdist, as CI runs) neither worker is left with a long file at the end while the
+# other idles (xdist hands a worker its next file when two tests or fewer of its current one are left).
+# test_pipeline_e2e.py builds the shared micro pipeline (built_pipeline) on the first worker while the second runs
+# test_smollm2.py; the other files that copy the pipeline come after it.
+LONGEST_FIRST = ["test_pipeline_e2e.py",
+                 "test_smollm2.py",
+                 "test_pipeline_experiments.py",
+                 "test_pipeline_reproduce.py",
+                 "test_resume.py",
+                 "test_vllm_extract.py",
+                 "test_tracking_server.py",
+                 "test_dvc_remotes.py",
+                 "test_outbox.py",
+                 "test_engine_session.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -131,6 +136,22 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) ->
     return path
 
 
+@pytest.fixture(scope="session")
+def built_pipeline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The micro pipeline as the README's first command leaves it: `dvc repro` (vLLM in eval and export, through
+    the run's engine sessions), its results committed. Built once a run by the first test process that asks (about
+    6 minutes on 2 cores beside the other worker; the other waits for it), read by the modules that check a built
+    pipeline through copies of it (helpers.copy_workspace). Returns (repository, `dvc repro`'s output)."""
+    from helpers import built_once, commit, micro_pipeline_repo, run, session_dir
+
+    def build(repo: Path) -> str:
+        output = run(["dvc", "repro"], micro_pipeline_repo(repo))
+        commit(repo, "Results of the embedded default")
+        return output
+
+    return built_once(session_dir(tmp_path_factory) / "micro-pipeline", build)
+
+
 @pytest.fixture(scope="module")
 def vllm_tiny_target(tiny_target_dir) -> Iterator[str]:
     """A real vLLM server (the CPU build, as the stages start it) serving the tiny target; its base URL."""
@@ -139,6 +160,3 @@ def vllm_tiny_target(tiny_target_dir) -> Iterator[str]:
 
     with vllm_server(tiny_target_dir, "float32", VllmConfig(), f"tests-{os.getpid()}") as url:
         yield url
-
-
-# The micro pipeline: the project's dvc.yaml on params small enough for the whole lineage to run in a few minutes

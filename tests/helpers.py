@@ -3,6 +3,7 @@ waits and a loopback server, and the micro pipeline (the whole DVC lineage in mi
 repository. Test modules import it by name (`from helpers import ...`); fixtures live in conftest.py."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import re
@@ -14,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -155,7 +156,8 @@ def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
         server.server_close()
 
 
-# on 2 cores (tests/test_pipeline_e2e.py, tests/test_dvc_remotes.py, tests/test_tracking_server.py).
+# The micro pipeline: the project's dvc.yaml on params small enough for the whole lineage to run in a few minutes
+# on 2 cores (the built_pipeline fixture, tests/test_tracking_server.py).
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = [
     "zoo.pretrain_conversations=400", "zoo.conversations=96", "zoo.eval_prompts_per_family=2",
@@ -208,8 +210,8 @@ def ran_stages(output: str) -> list[str]:
     return re.findall(r"Running stage '([^']+)'", output)
 
 
-# For suites about the lineage's storage and tracking, not the engine (tests/test_dvc_remotes.py,
-# tests/test_tracking_server.py): no vLLM server in eval or export, about 4 minutes less a pipeline run on 2 cores.
+# For suites about the lineage's tracking, not the engine (tests/test_tracking_server.py): no vLLM server in eval
+# or export.
 WITHOUT_ENGINE = ["eval.engine=null", "export.serve=false"]
 
 
@@ -237,6 +239,83 @@ def micro_pipeline_repo(repo: Path) -> Path:
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
     commit(repo, "micro pipeline")
     return repo
+
+
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every test process of this run shares: the xdist workers' common parent, or pytest's own base
+    directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(directory: Path, build: Callable[[Path], str]) -> tuple[Path, str]:
+    """`build(directory / "repo")`, run by the first test process of the run that asks; the others wait for it
+    under a file lock and read its output. A failed build fails each that asks, with its error, and is not
+    retried. Returns (the repository, what `build` returned); nobody writes into it: tests work on copies
+    (copy_workspace)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    output, failed = directory / "output.txt", directory / "failed.txt"
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not output.exists() and not failed.exists():
+            try:
+                output.write_text(build(directory / "repo"))
+            except BaseException as error:  # pytest.fail's exception too
+                failed.write_text(str(error) or repr(error))
+                raise
+    if failed.exists():
+        pytest.fail(f"building {directory / 'repo'} failed in another test process:\n{failed.read_text()}",
+                    pytrace=False)
+    return directory / "repo", output.read_text()
+
+
+def copy_workspace(built: Path, repo: Path) -> Path:
+    """A copy at `repo` of the project directory `built` (a pipeline's repository, a stage's workspace), as if it
+    had run there: git, DVC's cache and its hardlinks into the workspace (`cp -a`), and the MLflow store
+    (mlflow.db), whose paths (artifact locations, tags) are rewritten to the copy's. Outputs that quote where the
+    pipeline ran (models/SERVING.md) keep `built`'s path, as DVC hashed them."""
+    import sqlite3
+
+    subprocess.run(["cp", "-a", str(built), str(repo)], check=True)
+    old, new = str(built), str(repo)
+    if not (repo / "mlflow.db").exists():
+        return repo
+    with sqlite3.connect(repo / "mlflow.db") as store:
+        tables = [name for (name,) in store.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for table in tables:
+            for _, column, kind, *_ in store.execute(f'PRAGMA table_info("{table}")').fetchall():
+                if kind.upper().startswith(("VARCHAR", "TEXT")):
+                    store.execute(f'UPDATE "{table}" SET "{column}" = replace("{column}", ?, ?) '
+                                  f'WHERE instr("{column}", ?)', (old, new, old))
+    return repo
+
+
+# The micro pipeline's stages, as DVC names them and as the MLflow records name them
+ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
+              "eval@scratch", "eval@warm_start", "export", "report"]
+RECORDED = sorted(stage.removesuffix("@offline") for stage in ALL_STAGES)
+
+
+def lock_md5(repo: Path, stage: str, path: str) -> str:
+    """The md5 dvc.lock records for `stage`'s output `path`."""
+    import yaml
+
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][stage]
+    return next(out["md5"] for out in lock["outs"] if out["path"] == path)
+
+
+def pipeline_store(repo: Path):
+    """The MLflow client of a pipeline repository's own store (sqlite:///mlflow.db in it)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def pipelines(repo: Path) -> list:
+    """The pipeline runs recorded in `repo`'s store, newest first."""
+    from eagle3ops.runs.records import find_pipelines
+
+    return find_pipelines(pipeline_store(repo))
 
 
 def ttt_logits(draft, ids, aux, positions, steps: int, raise_positions: bool) -> list:

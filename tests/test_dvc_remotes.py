@@ -1,7 +1,7 @@
 """DVC remotes pushed to and pulled from for real: the project's default local remote, SSH through a real OpenSSH
 server on loopback (dvc-ssh), S3 through a real S3-API server on loopback (moto's server, dvc-s3).
 
-The micro pipeline runs once. Each remote gets a full round trip: `dvc push`, `git clone` to a fresh directory,
+The micro pipeline is the one built once for the whole test run (a copy of it). Each remote gets a full round trip: `dvc push`, `git clone` to a fresh directory,
 the remote's credentials set there (never in the tracked .dvc/config), `dvc pull`, every output byte-identical to
 the original and to the md5s dvc.lock records, linked from the cache rather than copied, and `dvc repro` a no-op.
 Hidden states kept out of the remote (`push: false`) cannot be pulled and come back by re-running extract alone.
@@ -28,7 +28,7 @@ import yaml
 from moto.server import ThreadedMotoServer
 
 from eagle3ops.serving.server import free_port
-from helpers import ROOT, WITHOUT_ENGINE, commit, micro_pipeline_repo, ran_stages, run, write_params
+from helpers import ROOT, commit, copy_workspace, ran_stages, run
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.service]
 
@@ -46,14 +46,10 @@ def env(tmp_path_factory) -> dict[str, str | None]:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, env) -> Path:
-    """The micro pipeline, run and committed, in <tmp>/repo (its default remote is <tmp>/eagle3ops-dvc-storage)."""
-    repo = micro_pipeline_repo(tmp_path_factory.mktemp("team") / "repo")
-    write_params(repo, WITHOUT_ENGINE)
-    commit(repo, "without the engine")
-    run(["dvc", "repro"], repo, env)
-    commit(repo, "micro pipeline run")
-    return repo
+def pipeline(built_pipeline, tmp_path_factory) -> Path:
+    """The micro pipeline, run and committed: a copy of the built_pipeline fixture's in <tmp>/repo (its default
+    remote is <tmp>/eagle3ops-dvc-storage)."""
+    return copy_workspace(built_pipeline[0], tmp_path_factory.mktemp("team") / "repo")
 
 
 def lock_outputs(repo: Path) -> dict[str, str]:

@@ -5,7 +5,8 @@ an engine started when vllm.engines_kept are running makes room; `eagle3ops engi
 
 Starts four vLLM servers of the tiny target (about 30 s each on 2 cores, alone): the session's engine, a
 stage-local one with the second drafter (the reference), the engine again after it was killed, and one of the
-target alone. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py."""
+target alone. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py and
+tests/test_pipeline_experiments.py."""
 from __future__ import annotations
 
 import json

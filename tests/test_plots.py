@@ -1,6 +1,6 @@
 """The DVC plots as dvc.yaml declares them: only the designed charts, axes titled, one colour per drafter as in the
 report's PNGs, drawn into a page that needs no internet (.dvc/plots/offline.html). The page drawn in Chromium with
-the network off: tests/test_pipeline_e2e.py."""
+the network off: tests/test_pipeline_experiments.py."""
 from __future__ import annotations
 
 import configparser
