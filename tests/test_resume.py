@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3ops.resume import ResumePoint, resume_point
+from helpers import copy_workspace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,6 +121,10 @@ def _extract_workspace(root: Path, target: Path, extra: dict | None = None) -> d
                     "extract": {"batch_size": 4, "samples_per_shard": 8},
                     "mlflow": {"system_metrics": False, "registered_model": None}, **(extra or {})},
                    root / "params.yaml")
+    return _workspace_env(root)
+
+
+def _workspace_env(root: Path) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
 
 
@@ -134,12 +139,9 @@ def _manifests(root: Path) -> dict:
 
 
 @pytest.mark.processes
-def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_dir):
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    env_ref = _extract_workspace(reference, tiny_target_dir)
-    env = _extract_workspace(resumed, tiny_target_dir)
-    uninterrupted = _extract(reference, env_ref)
-    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
+def test_sigkilled_extraction_resumes_to_identical_shards(tmp_path, tiny_target_dir, extracted):
+    reference, resumed = extracted, tmp_path / "resumed"  # the reference: one uninterrupted run
+    env = train_inputs(resumed, tiny_target_dir, online=False)
 
     kills = []
     for kill_after_shards in sorted(random.Random(3).sample(range(1, 28), 3)):  # of 30 train shards
@@ -253,9 +255,9 @@ ONLINE = {"train": {**TRAIN_PARAMS, "hidden_states": "online"},
           "pipeline": {"extract": [], "hidden_states_dep": "data/prepared"}}
 
 
-def train_workspace(root: Path, target: Path, online: bool) -> dict:
+def train_inputs(root: Path, target: Path, online: bool) -> dict:
     """_extract_workspace with the project's dvc.yaml, a draft vocabulary, and the train params of the tests
-    below; offline, the extract stage run."""
+    below; nothing extracted. Returns the environment to run its stages in."""
     from eagle3ops.data.vocab import build_vocab_map, count_masked_tokens, write_vocab_map
 
     env = _extract_workspace(root, target, ONLINE if online else {"train": TRAIN_PARAMS})
@@ -263,6 +265,12 @@ def train_workspace(root: Path, target: Path, online: bool) -> dict:
     counts = count_masked_tokens([([1, 2, 3], [1, 1, 1])])
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     write_vocab_map(root / "data" / "prepared", *build_vocab_map(counts, vocab, 32))
+    return env
+
+
+def train_workspace(root: Path, target: Path, online: bool) -> dict:
+    """train_inputs; offline, the extract stage run."""
+    env = train_inputs(root, target, online)
     if not online:
         done = subprocess.run([sys.executable, "-m", "eagle3ops.cli", "extract"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=300)
@@ -270,14 +278,25 @@ def train_workspace(root: Path, target: Path, online: bool) -> dict:
     return env
 
 
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, tiny_target_dir) -> Path:
+    """An offline train workspace, extracted by one uninterrupted run: the extraction test's reference and the
+    offline train test's starting point (copies of it), so that this module extracts the same data once."""
+    root = tmp_path_factory.mktemp("extracted") / "work"
+    train_workspace(root, tiny_target_dir, online=False)
+    return root
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("hidden_states", ["offline", "online"])
-def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir, hidden_states):
+def test_sigkilled_train_stage_resumes_to_identical_checkpoint(tmp_path, tiny_target_dir, hidden_states, request):
     """The train stage itself (CLI, held to the project's dvc.yaml; offline after a real extract, online with the
     target beside it), killed at resume points chosen by a seeded RNG; before the last run a key the stage does not
     read is edited, which keeps the resume point (it is keyed on the stage's declared params and input md5s)."""
     def workspace(root: Path) -> dict:
-        return train_workspace(root, tiny_target_dir, hidden_states == "online")
+        if hidden_states == "online":
+            return train_workspace(root, tiny_target_dir, online=True)
+        return _workspace_env(copy_workspace(request.getfixturevalue("extracted"), root))
 
     def train(root: Path, env: dict) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=root,
