@@ -88,6 +88,20 @@ def test_a_model_the_server_does_not_serve_fails_fast_with_its_message(served_ta
 
 
 @pytest.mark.service
+def test_a_server_that_does_not_capture_states_is_named_by_the_extraction(vllm_tiny_target, tiny_target_dir):
+    """Hidden-state capture (tests/test_vllm_extract.py) asked of a plain server, as this module serves: the error
+    says what the server lacks. Here, not there, to start no server of its own."""
+    from eagle3ops.config import TargetConfig
+    from eagle3ops.extraction.imported import target_layout
+    from eagle3ops.extraction.vllm import EngineStates
+
+    layout = target_layout(TargetConfig(path=str(tiny_target_dir), aux_layers=[1, 2, 3]))
+    with pytest.raises(EngineError, match=r"/v1/completions: no kv_transfer_params.hidden_states_path .*"
+                                          r"extract_hidden_states"):
+        EngineStates(vllm_tiny_target, layout)([5, 6, 7])
+
+
+@pytest.mark.service
 @pytest.mark.processes
 def test_stage_killed_midway_resumes_without_generating_anything_twice(served_target, tiny_target_dir, tmp_path,
                                                                         monkeypatch, capsys):

@@ -17,9 +17,8 @@ from omegaconf import OmegaConf
 
 from eagle3ops.config import TargetConfig, VllmConfig
 from eagle3ops.data.shards import iter_samples, read_manifest
-from eagle3ops.extraction.imported import target_layout
 from eagle3ops.extraction.vllm import EngineStates, capture_layer_ids, capturing_server, read_captured
-from eagle3ops.serving.http import EngineError, fetch_json, served_model
+from eagle3ops.serving.http import fetch_json, served_model
 from test_resume import train_workspace
 
 pytestmark = pytest.mark.service  # a capturing vLLM server in every test
@@ -70,13 +69,6 @@ def test_vllm_layer_ids_are_hf_indices_and_the_last_is_before_the_final_norm(cap
     assert close(aux, torch.cat([hf[i][0] for i in AUX], -1)) < TOLERANCE
     assert close(final, hf[layout.num_layers][0]) < TOLERANCE
     assert not list(directory.iterdir())  # each file is deleted once read
-
-
-def test_a_server_that_does_not_capture_is_named(vllm_tiny_target, tiny_target_dir):
-    layout = target_layout(TargetConfig(path=str(tiny_target_dir), aux_layers=AUX))
-    with pytest.raises(EngineError, match=r"/v1/completions: no kv_transfer_params.hidden_states_path .*"
-                                          r"extract_hidden_states"):
-        EngineStates(vllm_tiny_target, layout)([5, 6, 7])
 
 
 def run_stage(root: Path, env: dict, *args: str) -> str:
@@ -132,17 +124,29 @@ def test_extract_on_vllm_writes_the_hooks_shards(vllm_features):
     assert metrics["samples"] == 256 and metrics["tokens_per_s"] > 0
 
 
-def test_online_training_fed_by_vllm_is_offline_training_on_vllms_states(vllm_features, capturing, tmp_path,
-                                                                         tiny_target_dir):
+def online_workspace(root: Path, target: Path, url: str) -> dict:
+    """A train workspace (test_resume's) whose train stage reads the target's states online from the vLLM server
+    at `url`; the environment to run it in."""
+    env = train_workspace(root, target, online=True)
+    set_params(root, train__optimizer="adamw", train__online_engine="vllm", train__online_url=url)
+    return env
+
+
+@pytest.fixture(scope="module")
+def trained_online(capturing, tiny_target_dir, tmp_path_factory) -> tuple[Path, str]:
+    """`train --init scratch` online from the capturing server, uninterrupted: (workspace, what it printed)."""
+    root = tmp_path_factory.mktemp("online") / "ws"
+    env = online_workspace(root, tiny_target_dir, capturing[0])
+    return root, run_stage(root, env, "train", "--init", "scratch")
+
+
+def test_online_training_fed_by_vllm_is_offline_training_on_vllms_states(vllm_features, trained_online):
     """train.hidden_states online from a vLLM server at a URL (the drafter alone in the train process) against
     offline training on the shards vLLM's extraction wrote: the same steps, the same losses."""
     offline_root, env, _ = vllm_features["vllm"]
     run_stage(offline_root, env, "train", "--init", "scratch")
 
-    online_root = tmp_path / "online"
-    env = train_workspace(online_root, tiny_target_dir, online=True)
-    set_params(online_root, train__optimizer="adamw", train__online_engine="vllm", train__online_url=capturing[0])
-    output = run_stage(online_root, env, "train", "--init", "scratch")
+    online_root, output = trained_online
     assert "vllm: starting" not in output  # the server at the URL, none of its own
 
     offline = pd.read_csv(offline_root / "plots/train-scratch.csv")
@@ -206,29 +210,20 @@ def test_a_document_whose_engine_states_hold_nan_is_dropped_and_counted(capturin
 
 
 @pytest.mark.processes
-def test_online_training_fed_by_vllm_resumes_after_sigkill(capturing, tiny_target_dir, tmp_path):
+def test_online_training_fed_by_vllm_resumes_after_sigkill(capturing, trained_online, tiny_target_dir, tmp_path):
     """Killed after a resume point and run again, online training from the engine continues from that point and
-    ends where an uninterrupted run ends, to the engine's rounding (vLLM's batching of the requests in flight
-    moves its results in the last bits, so not byte for byte)."""
+    ends where an uninterrupted run (trained_online) ends, to the engine's rounding (vLLM's batching of the
+    requests in flight moves its results in the last bits, so not byte for byte)."""
     import re
     import signal
     import time
 
     from eagle3ops.resume import ResumePoint
 
-    def workspace(root: Path) -> dict:
-        env = train_workspace(root, tiny_target_dir, online=True)
-        set_params(root, train__optimizer="adamw", train__online_engine="vllm", train__online_url=capturing[0])
-        return env
-
-    def train(root: Path, env: dict) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=root,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    run_stage(reference, workspace(reference), "train", "--init", "scratch")
-    env = workspace(resumed)
-    child = train(resumed, env)
+    reference, resumed = trained_online[0], tmp_path / "resumed"
+    env = online_workspace(resumed, tiny_target_dir, capturing[0])
+    child = subprocess.Popen([sys.executable, "-m", "eagle3ops.cli", "train", "--init", "scratch"], cwd=resumed,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while child.poll() is None and time.monotonic() < deadline:
         points = list(resumed.glob(".eagle3ops/resume/train@scratch-*.pt"))
