@@ -395,6 +395,24 @@ def test_eval_counts_a_parting_at_a_tie_as_lossless_and_an_early_stop_as_not(tmp
     assert acceptance_table({"eval-scratch": metrics}).loc[0, "lossless"] == "NO (1 prompts)"
 
 
+def test_the_report_counts_the_engines_behind_its_results():
+    """The stages that started a vLLM engine, with the time the starts took, and those that found one running;
+    the pipeline run's metric is their sum. A pipeline without vLLM says nothing of engines."""
+    from eagle3ops.reporting.summary import engine_starts_line, pipeline_metrics
+
+    measured = {"tau": 2.0, "prompts": 4, "accept_1": 0.5, "time": {"stage_s": 9.0}}
+    evals = {drafter: {**measured, "vllm": {"tau": 2.0, "engine_starts": n, "engine_start_s": s}}
+             for drafter, n, s in (("baseline", 2, 61.25), ("scratch", 0, 0.0), ("warm_start", 1, 30.0))}
+    metrics = ({f"eval-{drafter}": m for drafter, m in evals.items()}
+               | {"export": {"engine_started": 0, "time": {"stage_s": 3.0}}})
+    assert engine_starts_line(metrics) == (
+        "vLLM engines started for these results: 3 (by eval@baseline 2 in 61.2 s, eval@warm_start 1 in 30.0 s); "
+        "found running (engine sessions): eval@scratch, export.")
+    assert pipeline_metrics(metrics)["vllm/engine_starts"] == 3
+    alone = {f"eval-{drafter}": measured for drafter in evals}
+    assert engine_starts_line(alone) is None and "vllm/engine_starts" not in pipeline_metrics(alone)
+
+
 def write_constant_models(tiny_target_dir: Path, root: Path) -> tuple[Path, Path]:
     """The tiny target with its final norm zeroed (greedy: always id 0; sampled: uniform) and a drafter that always
     drafts id 0, saved where the eval stage reads them; (target dir, drafter dir)."""

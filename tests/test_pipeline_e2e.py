@@ -87,6 +87,8 @@ def test_repro_builds_every_stage(repo, first_run, built_pipeline):
     starts = {d: json.loads((repo / "metrics" / f"eval-{d}.json").read_text())["vllm"]["engine_starts"]
               for d in ("baseline", "scratch", "warm_start")}
     assert starts == {"baseline": 2, "scratch": 0, "warm_start": 0} and export["engine_started"] == 0
+    assert re.search(r"vLLM engines started for these results: 2 \(by eval@baseline 2 in \d+\.\d s\); found "
+                     r"running \(engine sessions\): eval@scratch, eval@warm_start, export\.", summary), summary
     assert (repo / "reports" / "comparison.png").stat().st_size > 10_000
 
 
@@ -157,6 +159,7 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
         alone = json.loads((repo / "metrics" / "eval-baseline.json").read_text())["vllm"]["target_alone_tokens_per_s"]
         assert parent.data.metrics[f"speedup_vllm/{drafter}"] == round(recorded["vllm"]["tokens_per_s"] / alone, 3)
     assert parent.data.params["train.lr"] == "0.003" and parent.data.params["overrides"] == "none"
+    assert parent.data.metrics["vllm/engine_starts"] == 2  # the target with a drafter, the target alone
     assert parent.data.tags["mlflow.note.content"].startswith("# eagle3ops report")
     assert json.loads((repo / "metrics.json").read_text())["tau"]["scratch"] == parent.data.metrics["tau/scratch"]
     experiment = store.get_experiment(parent.info.experiment_id)

@@ -149,7 +149,8 @@ def drafts_in_session(export_dir: str | Path, target_dir: str | Path, dtype: str
     k = read_json(Path(export_dir) / "config.json")["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     with engine(EngineSpec(str(target_dir), dtype, seed, drafter=str(export_dir), k=k), settings, "export") as served:
         served.use_drafter(export_dir)
-        return {**_drafts_on(served.url, export_dir, max_new_tokens), "engine_started": int(served.started)}
+        return {**_drafts_on(served.url, export_dir, max_new_tokens), "engine_started": int(served.started),
+                "engine_start_s": round(served.start_s, 1) if served.started else 0.0}
 
 
 def _drafts_on(url: str, export_dir: str | Path, max_new_tokens: int) -> dict:

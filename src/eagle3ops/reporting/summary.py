@@ -192,7 +192,7 @@ def pipeline_metrics(metrics: dict[str, dict]) -> dict[str, float]:
     """The MLflow metrics of the pipeline run itself (its parent run): the headline (tau per drafter from the
     decoder, tau_sampled at eval.sampled_temperature, and, where measured, from vLLM, with vLLM's speed-up), and per
     drafter tau on each benchmark set, acceptance by draft position and losslessness (1 or 0; left out where it was
-    not checked)."""
+    not checked); the vLLM engines started behind these results (engine_starts)."""
     top = headline(metrics)
     flat = {f"tau/{drafter}": tau for drafter, tau in top["tau"].items()}
     flat.update({f"tau_sampled/{drafter}": tau for drafter, tau in top.get("tau_sampled", {}).items()})
@@ -207,6 +207,8 @@ def pipeline_metrics(metrics: dict[str, dict]) -> dict[str, float]:
                      if m[f"accept_{i}"] is not None})
         if "lossless" in m:
             flat[f"lossless/{drafter}"] = float(m["lossless"])
+    if starts := engine_starts(metrics):
+        flat["vllm/engine_starts"] = float(sum(n for n, _ in starts.values()))
     return flat
 
 
@@ -334,17 +336,41 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
     return f"`mlflow ui --backend-store-uri {tracking_uri}`{where} then open http://127.0.0.1:5000{page}"
 
 
+def engine_starts(metrics: dict[str, dict]) -> dict[str, tuple[int, float]]:
+    """Per stage that served on vLLM in an engine session (the evals, the export's check): the engines it started
+    (0 where it found one running) and the seconds their starts took. A stage DVC did not re-run counts as it did
+    when it ran."""
+    served = {f"eval@{drafter}": metrics.get(f"eval-{drafter}", {}).get("vllm", {}) for drafter in EvalDrafter}
+    starts = {stage: (m["engine_starts"], m.get("engine_start_s", 0.0)) for stage, m in served.items()
+              if "engine_starts" in m}
+    if "engine_started" in (export := metrics.get("export", {})):
+        starts["export"] = (export["engine_started"], export.get("engine_start_s", 0.0))
+    return starts
+
+
+def engine_starts_line(metrics: dict[str, dict]) -> str | None:
+    """The target loads behind these results, in a sentence: how many, by which stage, how long they took."""
+    starts = engine_starts(metrics)
+    if not starts:
+        return None
+    started = ", ".join(f"{stage} {n} in {s:.1f} s" for stage, (n, s) in starts.items() if n)
+    found = ", ".join(stage for stage, (n, _) in starts.items() if not n) or "none"
+    return (f"vLLM engines started for these results: {sum(n for n, _ in starts.values())}"
+            f"{f' (by {started})' if started else ''}; found running (engine sessions): {found}.")
+
+
 def _served_section(metrics: dict[str, dict]) -> list[str]:
     served = served_table(metrics)
     if served.empty:
         return []
+    starts = engine_starts_line(metrics)
     return ["## Served on vLLM", "", markdown_table(served, ".3f"), "",
             "tau vLLM and a_i from vLLM's own spec-decode counters, the drafter served with the target as the export "
             "serves it, at eval.temperature only (the primary measurement; tau at eval.sampled_temperature is the "
             "decoder's); output = target's: prompts whose greedy output is token for token the target's own; tok/s: "
             "generated tokens per second over all prompts, the requests in flight together, with the drafter and "
             "(measured once, by the baseline's eval, on a server of its own) the target alone; speed-up = their "
-            "ratio, on this hardware.", ""]
+            "ratio, on this hardware.", "", *([starts, ""] if starts else [])]
 
 
 def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None) -> str:
