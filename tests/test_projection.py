@@ -21,6 +21,8 @@ from eagle3ops.runs.cost_model import estimate, read_target_shape
 from eagle3ops.runs.hardware_profiles import Profile, ProjectionError, load_profile, shipped_profiles
 from eagle3ops.runs.projection import check_against, fetch_pipeline, project
 from eagle3ops.runs.projection_report import render
+from eagle3ops.runs.records import PipelineRecord, StageRecord
+from eagle3ops.runs.target_loads import stage_loads, target_loads
 from eagle3ops.tracking.run import stage_run
 from helpers import isolate
 
@@ -343,6 +345,10 @@ def test_cli_prints_table_and_writes_report(store: Store, monkeypatch: pytest.Mo
     assert table_row(out, "**cost USD**")[4:] == ["$0.583", "at $10/h", "$0.538", "at $2/h"]
     assert "big (4 GPU) s" in out and "Pilot: 1,000 samples; work ratio x10" in out
     assert "Projection vs measured run hero-on-big" in out
+    # the pilot's stages load the target in their own processes: once each, as with a server per stage
+    assert ("Target loads a run: 3 (generate 1, extract 1, eval@scratch 1); with a vLLM server of each stage's own "
+            "(vllm.engine_idle_s 0): 3.") in out
+    assert "- big: 2 s a load; loading a run: 0.1 min, 0.1 min with a server per stage" in out
     assert (store.root / "projection.md").read_text() == out
     assert (store.root / "projection.png").read_bytes().startswith(b"\x89PNG")  # the check, drawn
 
@@ -426,3 +432,39 @@ def test_shipped_profiles_load() -> None:
     assert "cpu-2c" in profiles["cpu-2c"].labels and "rough" in profiles["cpu-2c"].notes.lower()
     labels = [label for p in profiles.values() for label in p.labels]
     assert len(labels) == len(set(labels))  # a hardware label maps to one profile
+
+
+def stage_record(name: str, params: dict[str, str], engines: str = "", **metrics: float) -> StageRecord:
+    stage, _, variant = name.partition("@")
+    return StageRecord(name, stage, variant, f"run-{name}", False, metrics, params,
+                       {"eagle3ops.engines": engines} if engines else {})
+
+
+def test_target_loads_count_each_stages_own_and_the_engines_it_started() -> None:
+    """The story's shape (generate, extract and eval on vLLM, the export's check): one engine of the target alone
+    for generate, a capturing server for extract, one engine with a drafter that every eval and the export find;
+    with a server per stage each of them starts its own. The micro pipeline's shape (the decoder in each eval,
+    vLLM beside it) counts the decoder's loads too."""
+    vllm_eval = {"eval.backend": "vllm", "eval.server_url": "None"}
+    story = PipelineRecord("p", "story", {}, stages={record.name: record for record in (
+        stage_record("generate", {"generate.backend": "vllm"}, "started 1a (1342.0 s start)"),
+        stage_record("extract", {"extract.backend": "vllm"}),
+        stage_record("train@scratch", {"train.hidden_states": "offline"}),
+        stage_record("eval@baseline", vllm_eval, "started 2b (1350.5 s start)"),
+        stage_record("eval@scratch", vllm_eval, "found 2b (1350.5 s start)"),
+        stage_record("eval@warm_start", vllm_eval, "found 2b (1350.5 s start)"),
+        stage_record("export", {"export.serve": "True"}, engine_started=0.0))})
+    loads = target_loads(story)
+    assert loads.in_run == {"generate": 1, "extract": 1, "eval@baseline": 1, "eval@scratch": 0, "eval@warm_start": 0,
+                            "export": 0}
+    assert (loads.total, loads.per_stage_total) == (3, 6)
+
+    micro = {"eval.backend": "hf", "eval.engine": "vllm"}
+    assert stage_loads(stage_record("eval@baseline", micro, "started 2b (3.1 s start), started 1a (2.9 s start)")) == (3, 3)
+    assert stage_loads(stage_record("eval@scratch", micro, "found 2b (3.1 s start)")) == (1, 2)
+    assert stage_loads(stage_record("eval@scratch", {**micro, "eval.engine": "None"})) == (1, 1)  # the decoder alone
+    online = {"train.hidden_states": "online", "train.online_engine": "vllm"}
+    assert stage_loads(stage_record("train@scratch", {**online, "train.online_url": "http://gpu-box:8000"})) == (0, 0)
+    assert stage_loads(stage_record("train@scratch", {**online, "train.online_url": "None"})) == (1, 1)
+    assert stage_loads(stage_record("generate", {"generate.backend": "openai"})) == (0, 0)
+    assert stage_loads(stage_record("extract", {"extract.backend": "import"})) == (0, 0)

@@ -9,6 +9,7 @@ from tabulate import tabulate
 from eagle3ops.fs import PLOT, PROJECTION, check_output, write_text_atomic
 from eagle3ops.runs.hardware_profiles import distinct
 from eagle3ops.runs.projection import Check, Projection
+from eagle3ops.runs.target_loads import target_loads
 
 RESOURCE_NAMES = {"compute": "compute", "memory": "HBM", "interconnect": "interconnect", "disk": "disk",
                   "host": "host", "fixed": "fixed"}
@@ -62,11 +63,30 @@ def render(projection: Projection) -> str:
     lines += [f"- {p.name}: {p.gpu_count} x {p.gpu}; {p.bf16_tflops:g} TFLOP/s, {p.hbm_tb_s:g} TB/s HBM"
               + (f", {p.interconnect_gb_s:g} GB/s link" if p.interconnect_gb_s else "")
               + f" per GPU; disk {p.disk_gb_s:g} GB/s; ${p.price_per_hour:g}/h ({p.source})" for p in profiles]
+    lines += _render_loads(projection)
     if projection.notes:
         lines += ["", *(f"Note: {note}" for note in projection.notes)]
     if projection.check is not None:
         lines += ["", *_render_check(projection.check)]
     return "\n".join(lines)
+
+
+def _render_loads(projection: Projection) -> list[str]:
+    """The target loads of a run as the pilot made them, and with a vLLM server per stage, at each profile's
+    projected load time (the table counts one load: extract's)."""
+    loads = target_loads(projection.run)
+    if not loads.in_run:
+        return []
+    by_stage = ", ".join(f"{stage} {n}" for stage, n in loads.in_run.items() if n)
+    lines = ["", f"Target loads a run: {loads.total} ({by_stage}); with a vLLM server of each stage's own "
+                 f"(vllm.engine_idle_s 0): {loads.per_stage_total}. The table above counts one (extract's)."]
+    load = next((row for row in projection.rows if row.phase.name == "load"), None)
+    if load is not None:
+        for t in projection.targets:
+            each = load.estimates[t.name].seconds
+            lines.append(f"- {t.name}: {_num(each)} s a load; loading a run: {_num(loads.total * each / 60)} min, "
+                         f"{_num(loads.per_stage_total * each / 60)} min with a server per stage")
+    return lines
 
 
 def _render_check(check: Check) -> list[str]:

@@ -83,6 +83,7 @@ def _regenerate_vllm(cfg: Config, conversations: list[dict], tracked, work: Path
             served = held.enter_context(engine(EngineSpec(cfg.target.path, cfg.target.dtype, cfg.seed,
                                                           chat_template=template), cfg.vllm, "generate"))
         tracked.set_tags({"eagle3ops.engines": served.summary()})
+        metrics.update(engine_starts=int(served.started))
         endpoint = replace(cfg.generate.openai, base_url=f"{served.url}/v1", model=None)
         return _regenerate_openai(cfg, endpoint, conversations, tracked, work, metrics)
 
