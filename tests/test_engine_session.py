@@ -1,16 +1,18 @@
 """Engine sessions (serving/session.py) on real vLLM servers of the CPU build: a later stage finds the engine an
 earlier one started and swaps its drafter in, drafting exactly as a server started with that drafter does; a
-record that lies about its server and an engine that died are replaced, never used; an idle engine stops by itself;
-an engine started when vllm.engines_kept are running makes room; `eagle3ops engine ls` and `stop`.
+record that lies about its server and an engine killed while a stage uses it are replaced, never used (the stage's
+request fails); an idle engine stops by itself; an engine started when vllm.engines_kept are running makes room;
+a port taken while an engine starts is refused; `eagle3ops engine ls` and `stop`.
 
 Starts four vLLM servers of the tiny target (about 30 s each on 2 cores, alone): the session's engine, a
 stage-local one with the second drafter (the reference), the engine again after it was killed, and one of the
-target alone. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py and
+target alone; and a fifth that fails at its bind. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py and
 tests/test_pipeline_experiments.py."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +31,8 @@ from eagle3ops.decoding.engines import SpecCounters, settled_counters
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.specforge import save_drafter
 from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft
+from eagle3ops.serving import session
+from eagle3ops.serving.http import EngineError, EngineUnavailable, Retries, fetch_json, send, served_model
 from eagle3ops.serving.registry import running, stop
 from eagle3ops.serving.session import EngineSpec, engine
 from helpers import loopback_server
@@ -80,21 +84,22 @@ def spec(target: Path, export: Path | None = None) -> EngineSpec:
     return EngineSpec(str(target), "float32", 0, drafter=str(export) if export else None)
 
 
+class OtherModel(BaseHTTPRequestHandler):
+    """Another server on a port an engine's record names: healthy, serving another model."""
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "other", "root": "/models/other"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 def test_a_lying_record_is_replaced_and_a_later_stage_finds_the_engine(engines, exports, tiny_target_dir, capsys):
     """A record of this engine's key whose port answers as another model (a port taken over by another server) is
     stopped and replaced, never used; the next stage then finds the engine started in its place."""
     settings = VllmConfig()
     key = spec(tiny_target_dir, exports[0]).key(settings)
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-
-    class OtherModel(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"data": [{"id": "other", "root": "/models/other"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
     with loopback_server(OtherModel) as url:
         (engines / f"{key}.json").write_text(json.dumps({
             "key": key, "model": str(tiny_target_dir.resolve()), "url": url, "supervisor_pid": stand_in.pid,
@@ -132,12 +137,20 @@ def test_a_swapped_drafter_drafts_as_a_server_started_with_it(engines, exports, 
 
 
 def test_a_killed_engine_is_replaced(engines, exports, tiny_target_dir):
-    """The engine's server killed between two stages: its supervisor sees it and forgets it, and the next stage
+    """The engine's server killed while a stage measures on it: the stage's next request fails, naming the server
+    (no figure from a dead engine); its supervisor sees the death and forgets the engine, and the next stage
     starts another."""
-    (record,) = running()
-    supervisor = psutil.Process(record["supervisor_pid"])
-    (server,) = [p for p in supervisor.children() if "vllm.entrypoints" in " ".join(p.cmdline())]
-    server.send_signal(signal.SIGKILL)
+    with engine(spec(tiny_target_dir, exports[0]), VllmConfig(), "killed mid-eval") as served:
+        (record,) = running()
+        assert not served.started and record["url"] == served.url
+        supervisor = psutil.Process(record["supervisor_pid"])
+        (server,) = [p for p in supervisor.children() if "vllm.entrypoints" in " ".join(p.cmdline())]
+        fetch_json(f"{served.url}/v1/completions", {"model": served_model(served.url), "prompt": PROMPTS[0],
+                                                    "max_tokens": 4, "temperature": 0})
+        server.send_signal(signal.SIGKILL)
+        with pytest.raises(EngineUnavailable, match=re.escape(f"{served.url}/v1/completions: cannot reach the server")):
+            send("POST", f"{served.url}/v1/completions", {"model": "any", "prompt": PROMPTS[0], "max_tokens": 4},
+                 Retries(max_retries=1, backoff_s=0.1))  # a stage's own retries wait about a minute
     supervisor.wait(timeout=30)
     assert running() == []
     with engine(spec(tiny_target_dir, exports[0]), VllmConfig(), "after the kill") as again:
@@ -169,3 +182,16 @@ def test_room_is_made_for_an_engine_beyond_engines_kept_and_an_idle_one_stops(en
     assert main(["engine", "stop", "nosuchkey"]) == 2
     assert "no engine nosuchkey on this machine" in capsys.readouterr().err
     assert os.environ["EAGLE3OPS_ENGINE_DIR"] == str(engines)
+
+
+def test_a_port_taken_while_the_engine_starts_is_refused(engines, tiny_target_dir, monkeypatch):
+    """Another server takes the port between the pick and vLLM's bind, and answers /health: the start fails with a
+    message naming the port, vLLM is stopped and no record is left, rather than a stage measuring another server.
+    Costs a vLLM process that fails at its bind (its imports, about 15 s on 2 cores)."""
+    with loopback_server(OtherModel) as url:
+        port = int(url.rsplit(":", 1)[1])
+        monkeypatch.setattr(session, "free_port", lambda: port)
+        with pytest.raises(EngineError, match=f"port {port} answers as another server, not "), \
+                engine(spec(tiny_target_dir), VllmConfig(), "port taken"):
+            pass
+    assert running() == []

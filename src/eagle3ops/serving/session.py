@@ -199,16 +199,21 @@ def _live(key: str) -> dict | None:
     if record is None:
         return None
     if alive(record.get("supervisor_pid")):
-        try:
-            models = httpx2.get(f"{record['url']}/v1/models", timeout=10.0).json()["data"]
-            if [m.get("root") for m in models] == [record["model"]]:
-                return record
-        except (httpx2.HTTPError, ValueError, KeyError, TypeError):
-            pass
+        if _answers_as_its_target(record):
+            return record
         print(f"vllm: engine {key} at {record['url']} does not answer as its target: stopping it", flush=True)
     stop_supervised(record)
     path.unlink(missing_ok=True)
     return None
+
+
+def _answers_as_its_target(record: dict) -> bool:
+    """Whether the server at the record's URL serves the record's target (not another model on a reused port)."""
+    try:
+        models = httpx2.get(f"{record['url']}/v1/models", timeout=10.0).json()["data"]
+        return [m.get("root") for m in models] == [record["model"]]
+    except (httpx2.HTTPError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _start(spec: EngineSpec, settings: VllmConfig, key: str, log_name: str) -> dict:
@@ -248,6 +253,9 @@ def _start(spec: EngineSpec, settings: VllmConfig, key: str, log_name: str) -> d
     write_record(path, record)
     try:
         wait_ready("vLLM", supervisor, f"{record['url']}/health", log, settings.ready_timeout_s)
+        if not _answers_as_its_target(record):  # another server took the port between our pick and vLLM's bind
+            raise EngineError(f"vllm: engine {key}: port {port} answers as another server, not {model}: it was "
+                              f"taken while the engine started (log {log}); run the stage again")
     except BaseException:
         stop_supervised(record)
         path.unlink(missing_ok=True)
