@@ -31,8 +31,8 @@ from eagle3ops.tracking.store import project_root, scrub, shown_uri, tracking_ur
 def run(cfg: Config) -> None:
     with stage_run(cfg, "report") as tracked:
         # the metrics dvc.yaml's stages write (the report depends on the directory): extract's only when the pipeline
-        # has the stage, not a file an offline run left behind
-        metrics = read_metrics([stage for stage in STAGES if stage != "extract" or cfg.pipeline.extract])
+        # has the stage, not a file an offline run left behind; the export's for its engine start
+        metrics = read_metrics([*(stage for stage in STAGES if stage != "extract" or cfg.pipeline.extract), "export"])
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
         text = markdown(metrics, shown_uri(tracking_uri(cfg), project_root()), tracked.experiment_id)
