@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle3ops.runs.records import PipelineRecord, StageRecord
-
-ENGINES_TAG = "eagle3ops.engines"  # "started KEY (31.2 s start), found KEY (...)": the vLLM engines a stage used
+from eagle3ops.serving.session import ENGINES_TAG
 
 
 @dataclass(frozen=True)

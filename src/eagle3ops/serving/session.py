@@ -110,6 +110,11 @@ class EngineSpec:
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# The MLflow tag of a stage run that names the engines it used, each as Engine.summary() writes it, ", "-joined
+# (runs/target_loads.py counts the loads from it)
+ENGINES_TAG = "eagle3ops.engines"
+
+
 @dataclass
 class Engine:
     """A server to send requests to while the `engine` block lasts."""

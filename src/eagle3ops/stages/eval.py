@@ -20,6 +20,7 @@ from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare,
 from eagle3ops.decoding.served import Served, check_agreement, check_servable, measure_on_vllm, side_by_side
 from eagle3ops.formats.checkpoint import load_any_drafter
 from eagle3ops.modeling.target import default_aux_layers, load_target, load_tokenizer, model_size, model_text_config
+from eagle3ops.serving.session import ENGINES_TAG
 from eagle3ops.spec_settings import SpecSettings, sampled_settings, sampled_temperature
 from eagle3ops.tracking import hardware
 from eagle3ops.tracking.identity import identity_params
@@ -180,7 +181,7 @@ def _chat_template(cfg: Config) -> str | None:
 
 def _tag_engines(tracked, served: Served) -> None:
     """Whether each engine was started by this stage (and its start's seconds) or found running."""
-    tracked.set_tags({"eagle3ops.engines": ", ".join(e.summary() for e in served.engines)})
+    tracked.set_tags({ENGINES_TAG: ", ".join(e.summary() for e in served.engines)})
 
 
 def _flat_metrics(prefix: str, fields: dict) -> dict[str, float]:

@@ -22,7 +22,7 @@ from eagle3ops.generation.openai import regenerate_openai
 from eagle3ops.modeling.target import load_target, load_tokenizer, model_size
 from eagle3ops.progress import progress
 from eagle3ops.resume import resume_point
-from eagle3ops.serving.session import EngineSpec, engine
+from eagle3ops.serving.session import ENGINES_TAG, EngineSpec, engine
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record
 from eagle3ops.tracking.run import stage_run
@@ -82,7 +82,7 @@ def _regenerate_vllm(cfg: Config, conversations: list[dict], tracked, work: Path
         with tracked.phase("load"):  # the engine's start, where it must start: loading the target
             served = held.enter_context(engine(EngineSpec(cfg.target.path, cfg.target.dtype, cfg.seed,
                                                           chat_template=template), cfg.vllm, "generate"))
-        tracked.set_tags({"eagle3ops.engines": served.summary()})
+        tracked.set_tags({ENGINES_TAG: served.summary()})
         metrics.update(engine_starts=int(served.started))
         endpoint = replace(cfg.generate.openai, base_url=f"{served.url}/v1", model=None)
         return _regenerate_openai(cfg, endpoint, conversations, tracked, work, metrics)
