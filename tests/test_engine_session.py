@@ -2,11 +2,12 @@
 earlier one started and swaps its drafter in, drafting exactly as a server started with that drafter does; a
 record that lies about its server and an engine killed while a stage uses it are replaced, never used (the stage's
 request fails); an idle engine stops by itself; an engine started when vllm.engines_kept are running makes room;
-a port taken while an engine starts is refused; `eagle3ops engine ls` and `stop`.
+a port taken while an engine starts is refused; an idle engine stops for a target loaded on a GPU that lacks the
+room; `eagle3ops engine ls` and `stop`.
 
-Starts four vLLM servers of the tiny target (about 30 s each on 2 cores, alone): the session's engine, a
-stage-local one with the second drafter (the reference), the engine again after it was killed, and one of the
-target alone; and a fifth that fails at its bind. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py and
+Starts five vLLM servers of the tiny target (about 30 s each on 2 cores, alone): the session's engine, a
+stage-local one with the second drafter (the reference), the engine again after it was killed, and two of the
+target alone; and a sixth that fails at its bind. The whole pipeline's use of sessions is checked in tests/test_pipeline_e2e.py and
 tests/test_pipeline_experiments.py."""
 from __future__ import annotations
 
@@ -195,3 +196,26 @@ def test_a_port_taken_while_the_engine_starts_is_refused(engines, tiny_target_di
                 engine(spec(tiny_target_dir), VllmConfig(), "port taken"):
             pass
     assert running() == []
+
+
+def test_an_idle_engine_stops_for_a_target_loaded_on_a_gpu_without_room(engines, tiny_target_dir, monkeypatch,
+                                                                         capsys):
+    """An idle engine holds vllm.gpu_memory_utilization of its GPU: loading the target into a stage's process
+    there stops it first where the free memory is short of the weights, and only then. The GPU's free memory is
+    the one thing pretended here (CI has no GPU); the engine and its stop are real. Costs an engine start."""
+    from eagle3ops.config import TargetConfig
+    from eagle3ops.modeling.target import make_gpu_room
+
+    with engine(spec(tiny_target_dir), VllmConfig(), "idle on the GPU"):
+        pass
+    (record,) = running()
+    weights = sum(f.stat().st_size for f in tiny_target_dir.glob("*.safetensors"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = TargetConfig(path=str(tiny_target_dir), device="cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * weights, 80 * 2**30))
+    make_gpu_room(tiny_target_dir, on_gpu)
+    assert [r["key"] for r in running()] == [record["key"]]  # room enough: the session stays
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (weights, 80 * 2**30))
+    make_gpu_room(tiny_target_dir, on_gpu)
+    assert running() == [] and not psutil.pid_exists(record["supervisor_pid"])
+    assert f"vllm: stopping engine {record['key']} (last used " in capsys.readouterr().out

@@ -40,6 +40,8 @@ BOOKKEEPING = {
                         "(tests/test_resume.py)",
     "eagle3ops.tracking": "records the run: MLflow, the metrics files, the target's identity, the dvc.yaml "
                           "declarations it reads; no output of a stage depends on it",
+    "eagle3ops.serving.registry": "the engine sessions running on this machine, stopped when idle to make room "
+                                  "(loading the target on a GPU too); which engine answers changes no output",
 }
 
 
@@ -152,7 +154,13 @@ def files_run(module: str) -> list[Path]:
         return []
     data = [p for p in path.parent.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
             and "__pycache__" not in p.parts and _same_package(p, path.parent)]
-    return [path] * bool(path.read_text().strip()) + data
+    runs = bool(path.read_text().strip()) and not (path.name == "__init__.py" and _docstring_only(path))
+    return [path] * runs + data  # a package's description alone runs nothing
+
+
+def _docstring_only(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
 def _same_package(file: Path, package: Path) -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 from eagle3ops.config import TargetConfig
 from eagle3ops.data.chat import use_chat_template
 from eagle3ops.errors import InputError
+from eagle3ops.serving.registry import stop_idle
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -109,6 +110,7 @@ def load_target(target: TargetConfig) -> PreTrainedModel:
 
     path = str(check_model_dir(target.path))
     config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+    make_gpu_room(Path(path), target)
     placement = {"device_map": target.device_map, "max_memory": target.max_memory} if target.device_map else {}
     model = _auto_class(config, target).from_pretrained(path, config=config, dtype=DTYPES[target.dtype],
                                                         trust_remote_code=target.trust_remote_code, **placement)
@@ -119,6 +121,20 @@ def load_target(target: TargetConfig) -> PreTrainedModel:
                           f"input embedding (its weights stay on 'meta'); inputs and captured states need it on a "
                           f"device: place it on a GPU (or cpu on a machine without one)")
     return model.eval().requires_grad_(False)
+
+
+def make_gpu_room(path: Path, target: TargetConfig) -> None:
+    """An idle vLLM engine session holds vllm.gpu_memory_utilization of its GPUs (serving/session.py). Before the
+    target loads into this process on a GPU with less free memory than its weights need (their files' size, a
+    fifth more for what loading allocates besides), the idle engines stop; the next stage on vLLM starts one."""
+    if not torch.cuda.is_available() or (not target.device_map and resolve_device(target.device).type != "cuda"):
+        return
+    devices = range(torch.cuda.device_count()) if target.device_map else [resolve_device(target.device)]
+    free = sum(torch.cuda.mem_get_info(device)[0] for device in devices)
+    need = 1.2 * sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
+    if need > free:
+        stop_idle(f"to load the target into this process ({need / 2**30:.1f} GiB with what loading allocates; "
+                  f"{free / 2**30:.1f} GiB of GPU memory free)")
 
 
 def model_size(model: nn.Module) -> dict[str, int]:

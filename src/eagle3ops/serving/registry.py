@@ -107,15 +107,26 @@ def make_room(kept: int, keep_key: str | None = None) -> None:
     """Before one more server starts: stop the least recently used idle engines beyond `kept` - 1 (`keep_key`'s
     own left alone). An engine in use stays: the machine holds one more for a while."""
     others = sorted((r for r in running() if r["key"] != keep_key), key=lambda r: r["last_used"], reverse=True)
-    for record in others[max(kept - 1, 0):]:
+    _stop_idle(others[max(kept - 1, 0):], f"to make room (vllm.engines_kept = {kept})")
+
+
+def stop_idle(why: str) -> list[str]:
+    """Stop every idle engine of this machine (one in use stays), saying why; the keys of those stopped."""
+    return _stop_idle(running(), why)
+
+
+def _stop_idle(records: list[dict], why: str) -> list[str]:
+    stopped = []
+    for record in records:
         with open(record["lock"], "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue
-            print(f"vllm: stopping engine {record['key']} (last used {ago(record['last_used'])}) to make room "
-                  f"(vllm.engines_kept = {kept})", flush=True)
+            print(f"vllm: stopping engine {record['key']} (last used {ago(record['last_used'])}) {why}", flush=True)
             stop(record["key"])
+            stopped.append(record["key"])
+    return stopped
 
 
 def describe(record: dict) -> dict:
