@@ -291,7 +291,8 @@ def copy_workspace(built: Path, repo: Path) -> Path:
 
 
 # The micro pipeline's stages, as DVC names them and as the MLflow records name them
-ALL_STAGES = ["zoo", "generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
+ALL_STAGES = ["zoo", "generate", "target_speed", "prepare", "extract@offline", "train@scratch", "train@warm_start",
+              "eval@baseline",
               "eval@scratch", "eval@warm_start", "export", "report"]
 RECORDED = sorted(stage.removesuffix("@offline") for stage in ALL_STAGES)
 

@@ -402,15 +402,38 @@ def test_the_report_counts_the_engines_behind_its_results():
 
     measured = {"tau": 2.0, "prompts": 4, "accept_1": 0.5, "time": {"stage_s": 9.0}}
     evals = {drafter: {**measured, "vllm": {"tau": 2.0, "engine_starts": n, "engine_start_s": s}}
-             for drafter, n, s in (("baseline", 2, 61.25), ("scratch", 0, 0.0), ("warm_start", 1, 30.0))}
+             for drafter, n, s in (("baseline", 1, 31.25), ("scratch", 0, 0.0), ("warm_start", 1, 30.0))}
     metrics = ({f"eval-{drafter}": m for drafter, m in evals.items()}
-               | {"export": {"engine_started": 0, "time": {"stage_s": 3.0}}})
+               | {"target_speed": {"measured": True, "engine_starts": 1, "engine_start_s": 30.0,
+                                  "time": {"stage_s": 40.0}},
+                  "export": {"engine_started": 0, "time": {"stage_s": 3.0}}})
     assert engine_starts_line(metrics) == (
-        "vLLM engines started for these results: 3 (by eval@baseline 2 in 61.2 s, eval@warm_start 1 in 30.0 s); "
-        "found running (engine sessions): eval@scratch, export.")
+        "vLLM engines started for these results: 3 (by target_speed 1 in 30.0 s, eval@baseline 1 in 31.2 s, "
+        "eval@warm_start 1 in 30.0 s); found running (engine sessions): eval@scratch, export.")
     assert pipeline_metrics(metrics)["vllm/engine_starts"] == 3
-    alone = {f"eval-{drafter}": measured for drafter in evals}
+    alone = {f"eval-{drafter}": measured for drafter in evals} | {"target_speed": {"measured": False,
+                                                                                  "time": {"stage_s": 1.0}}}
     assert engine_starts_line(alone) is None and "vllm/engine_starts" not in pipeline_metrics(alone)
+
+
+def test_a_speedup_divides_only_speeds_of_the_same_hardware():
+    """The target alone (stage target_speed) measured on other hardware than a drafter's eval gives that drafter
+    no speed-up, and the report says why and what to run."""
+    from eagle3ops.reporting.summary import markdown, served_speedups
+
+    def evaluated(hardware: str) -> dict:
+        return {"tau": 2.0, "prompts": 4, "accept_1": 0.5, "tau_by_set": {}, "time": {"stage_s": 9.0},
+                "vllm": {"tau": 2.0, "accept_1": 0.5, "tokens_per_s": 300.0, "hardware": hardware,
+                         "concurrency": 8}}
+
+    metrics = {"eval-scratch": evaluated("cpu-2c"), "eval-warm_start": evaluated("H200"),
+               "target_speed": {"measured": True, "tokens_per_s": 200.0, "vllm": {"hardware": "cpu-2c"},
+                                "time": {"stage_s": 40.0}}}
+    assert served_speedups(metrics) == {"scratch": 1.5}
+    report = markdown(metrics, "sqlite:///mlflow.db")
+    assert ("No speed-up where the drafter was served on H200: the target alone was measured on cpu-2c (set "
+            "hardware.label to the same label, or `dvc repro -f -s target_speed` here).") in report
+    assert "No speed-up" not in markdown({**metrics, "eval-warm_start": evaluated("cpu-2c")}, "sqlite:///mlflow.db")
 
 
 def write_constant_models(tiny_target_dir: Path, root: Path) -> tuple[Path, Path]:

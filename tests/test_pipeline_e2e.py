@@ -66,10 +66,11 @@ def test_repro_builds_every_stage(repo, first_run, built_pipeline):
         assert all(abs(served[f"accept_{i}"] - metrics[f"accept_{i}"]) <= 0.1 for i in (1, 2, 3))
         assert served["greedy_equal_prompts"] == metrics["prompts"]
         assert served["tokens_per_s"] > 0 and served["hardware"].startswith("cpu-") and served["concurrency"] == 8
-        # the target alone, measured once a pipeline (a server loads the whole target): with the baseline
-        assert ("target_alone_tokens_per_s" in served) == (drafter == "baseline")
-    alone = json.loads((repo / "metrics" / "eval-baseline.json").read_text())["vllm"]["target_alone_tokens_per_s"]
-    assert alone > 0
+    # the target alone, a stage of its own, on the prompts the evals send, on the same hardware
+    alone = json.loads((repo / "metrics" / "target_speed.json").read_text())
+    assert alone["measured"] is True and alone["tokens_per_s"] > 0 and alone["vllm"] == {
+        "version": served["version"], "hardware": served["hardware"]}
+    assert alone["prompts"] == metrics["prompts"] and alone["engine_starts"] == 1
     checkpoint = repo / "models" / "drafters" / "scratch"
     assert {"config.json", "model.safetensors", "training_state.pt"} <= {p.name for p in checkpoint.iterdir()}
     manifest = json.loads((repo / "data" / "features" / "train" / "manifest.json").read_text())
@@ -82,13 +83,14 @@ def test_repro_builds_every_stage(repo, first_run, built_pipeline):
     assert set(headline["tau_vllm"]) == set(headline["speedup_vllm"]) == {"baseline", "scratch", "warm_start"}
     export = json.loads((repo / "metrics" / "export.json").read_text())
     assert export["served_drafts"] > 0  # vLLM drafted with the export's weights
-    # engine sessions: the baseline's eval started the two engines (the target with a drafter, the target alone);
-    # the other evals and the export found the first and swapped their drafters in
+    # engine sessions: target_speed started the target alone, the baseline's eval the target with a drafter; the
+    # other evals and the export found the latter and swapped their drafters in
     starts = {d: json.loads((repo / "metrics" / f"eval-{d}.json").read_text())["vllm"]["engine_starts"]
               for d in ("baseline", "scratch", "warm_start")}
-    assert starts == {"baseline": 2, "scratch": 0, "warm_start": 0} and export["engine_started"] == 0
-    assert re.search(r"vLLM engines started for these results: 2 \(by eval@baseline 2 in \d+\.\d s\); found "
-                     r"running \(engine sessions\): eval@scratch, eval@warm_start, export\.", summary), summary
+    assert starts == {"baseline": 1, "scratch": 0, "warm_start": 0} and export["engine_started"] == 0
+    assert re.search(r"vLLM engines started for these results: 2 \(by target_speed 1 in \d+\.\d s, eval@baseline 1 "
+                     r"in \d+\.\d s\); found running \(engine sessions\): eval@scratch, eval@warm_start, export\.",
+                     summary), summary
     assert (repo / "reports" / "comparison.png").stat().st_size > 10_000
 
 
@@ -156,7 +158,7 @@ def test_stage_runs_are_in_mlflow_with_lineage(repo, first_run):
         assert all(parent.data.metrics[f"tau/{drafter}/{name}"] == tau for name, tau in recorded["tau_by_set"].items())
         # and tau per drafter per engine, with vLLM's speed-up on this hardware
         assert parent.data.metrics[f"tau_vllm/{drafter}"] == recorded["vllm"]["tau"]
-        alone = json.loads((repo / "metrics" / "eval-baseline.json").read_text())["vllm"]["target_alone_tokens_per_s"]
+        alone = json.loads((repo / "metrics" / "target_speed.json").read_text())["tokens_per_s"]
         assert parent.data.metrics[f"speedup_vllm/{drafter}"] == round(recorded["vllm"]["tokens_per_s"] / alone, 3)
     assert parent.data.params["train.lr"] == "0.003" and parent.data.params["overrides"] == "none"
     assert parent.data.metrics["vllm/engine_starts"] == 2  # the target with a drafter, the target alone

@@ -58,9 +58,11 @@ def test_changing_lr_reruns_only_train_eval_report(repo):
     experiment = next(p for p in pipelines(repo) if p.name == "lr-1e-3")
     assert sorted(experiment.stages) == RECORDED
     cached = {name for name, stage in experiment.stages.items() if stage.cached}
-    assert cached == {"zoo", "generate", "prepare", "extract", "eval@baseline"}
+    assert cached == {"zoo", "generate", "target_speed", "prepare", "extract", "eval@baseline"}
     original = next(p for p in pipelines(repo) if "eagle3ops.reproduces" not in p.tags and p.name != "lr-1e-3")
     assert experiment.stages["extract"].run_id == original.stages["extract"].run_id
+    # the target alone's speed, what the experiment's speed-ups divide by, is the first run's, from DVC's cache
+    assert experiment.stages["target_speed"].run_id == original.stages["target_speed"].run_id
     assert experiment.stages["train@scratch"].params["train.lr"] == "0.001"
     assert pipeline_store(repo).get_run(experiment.run_id).data.params["overrides"] == "train.lr=0.001"
     assert experiment.stages["zoo"].params == original.stages["zoo"].params  # a cached stage keeps its own params

@@ -183,7 +183,7 @@ def stage_dependencies(root: Path) -> dict[str, tuple[list[str], list[str]]]:
                 for stage in repo.index.stages}
 
 
-USES_TARGET = ["generate", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
+USES_TARGET = ["generate", "target_speed", "prepare", "extract@offline", "train@scratch", "train@warm_start", "eval@baseline",
                "eval@scratch"]
 
 

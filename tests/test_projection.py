@@ -448,6 +448,7 @@ def test_target_loads_count_each_stages_own_and_the_engines_it_started() -> None
     vllm_eval = {"eval.backend": "vllm", "eval.server_url": "None"}
     story = PipelineRecord("p", "story", {}, stages={record.name: record for record in (
         stage_record("generate", {"generate.backend": "vllm"}, "started 1a (1342.0 s start)"),
+        stage_record("target_speed", vllm_eval),  # measures where the evals decode beside vLLM: nothing here
         stage_record("extract", {"extract.backend": "vllm"}),
         stage_record("train@scratch", {"train.hidden_states": "offline"}),
         stage_record("eval@baseline", vllm_eval, "started 2b (1350.5 s start)"),
@@ -460,7 +461,9 @@ def test_target_loads_count_each_stages_own_and_the_engines_it_started() -> None
     assert (loads.total, loads.per_stage_total) == (3, 6)
 
     micro = {"eval.backend": "hf", "eval.engine": "vllm"}
-    assert stage_loads(stage_record("eval@baseline", micro, "started 2b (3.1 s start), started 1a (2.9 s start)")) == (3, 3)
+    assert stage_loads(stage_record("target_speed", micro, "started 1a (2.9 s start)")) == (1, 1)
+    assert stage_loads(stage_record("target_speed", micro, "found 1a (2.9 s start)")) == (0, 1)  # generate's engine
+    assert stage_loads(stage_record("eval@baseline", micro, "started 2b (3.1 s start)")) == (2, 2)
     assert stage_loads(stage_record("eval@scratch", micro, "found 2b (3.1 s start)")) == (1, 2)
     assert stage_loads(stage_record("eval@scratch", {**micro, "eval.engine": "None"})) == (1, 1)  # the decoder alone
     online = {"train.hidden_states": "online", "train.online_engine": "vllm"}

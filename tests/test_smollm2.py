@@ -112,7 +112,7 @@ def test_pipeline_on_smollm2_measured_on_vllm(built, tmp_path_factory):
     answers through vLLM, both drafters train on them, and each drafter's tau is measured by the decoder and on
     vLLM serving SmolLM2 (the stage fails where they disagree beyond eval.engine_tolerance); the export's weights
     are drafted with on vLLM too. Two vLLM engines of SmolLM2 serve it all (engine sessions): the target alone
-    (generate, the baseline's speed-up) and the target with a drafter (every eval, the export), each drafter
+    (generate, then target_speed) and the target with a drafter (every eval, the export), each drafter
     swapped in. Costs one pipeline of a 135M model and those two starts."""
     from omegaconf import OmegaConf
 
@@ -147,4 +147,6 @@ def test_pipeline_on_smollm2_measured_on_vllm(built, tmp_path_factory):
     assert export["served_drafts"] > 0 and export["engine_started"] == 0
     generate = json.loads((repo / "metrics/generate.json").read_text())
     assert [json.loads((repo / f"metrics/eval-{d}.json").read_text())["vllm"]["engine_starts"]
-            for d in ("baseline", "scratch", "warm_start")] == [1, 0, 0], generate  # the target alone was generate's
+            for d in ("baseline", "scratch", "warm_start")] == [1, 0, 0], generate
+    alone = json.loads((repo / "metrics/target_speed.json").read_text())
+    assert alone["tokens_per_s"] > 0 and alone["engine_starts"] == 0, generate  # the target alone was generate's

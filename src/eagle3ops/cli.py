@@ -139,6 +139,12 @@ def _eval(args) -> int:
     return _run_stage(args, evaluation.run)
 
 
+def _target_speed(args) -> int:
+    from eagle3ops.stages import target_speed
+
+    return _run_stage(args, target_speed.run)
+
+
 EXPORT_DESCRIPTION = (
     "Without DRAFTER and OUT: the DVC stage, exporting export.drafter (default: the champion of this "
     "pipeline's eval) into export.out_dir in every one "
@@ -572,6 +578,8 @@ COMMANDS = (
             _train_arguments, stage=True),
     Command("eval", "speculative decoding on held-out prompts: acceptance length tau, losslessness (--drafter ...)",
             _eval, _eval_arguments, stage=True),
+    Command("target_speed", "the target alone on vLLM: tokens/s on the eval sets, what the drafters' served "
+                            "speed-up divides by", _target_speed, stage=True),
     Command("export", "write a drafter in the layouts SGLang and vLLM load, validated, with launch commands (the "
                       "stage: export.* in params.yaml; or: export DRAFTER OUT --format F --target TARGET_DIR)",
             _export, _export_arguments, EXPORT_DESCRIPTION, stage=True),

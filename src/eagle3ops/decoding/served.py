@@ -4,8 +4,8 @@ The drafter is exported to the speculators layout first (vLLM's layer-id convent
 export stage writes), then served with the target exactly as users serve it: acceptance from vLLM's own
 counters, each prompt's generated ids, and tokens/s. The server is the run's engine session
 (serving/session.py): found where an earlier stage left one of this target and drafter shape, the drafter's
-weights swapped in; started otherwise. With `target_alone` (the baseline's eval), an engine of the target alone
-answers the same requests: what the drafters' speed on this hardware is divided by; it is the session the
+weights swapped in; started otherwise. The target alone answers the same requests in the stage target_speed
+(`measure_target_alone`): what the drafters' speed on this hardware is divided by; its engine is the session the
 generate stage's vLLM backend uses, where it ran.
 
 Agreement. In greedy decoding both sides verify with the same target, so each prompt's output is the target's
@@ -52,9 +52,8 @@ class EngineDisagreement(EngineError):
 @dataclass
 class Served:
     with_drafter: dict[str, SetMeasurement]
-    target_alone: dict[str, SetMeasurement] | None
     version: str
-    engines: list[Engine]  # the engines it was measured on, found or started
+    engine: Engine  # the engine it was measured on, found or started
 
     def overall(self, k: int) -> AcceptanceStats:
         return AcceptanceStats.merged(k, [m.stats for m in self.with_drafter.values()])
@@ -76,30 +75,32 @@ def check_servable(target_dir: str | Path, drafter_head_dim: int) -> None:
                          f"project's decoder alone")
 
 
+def measure_target_alone(target_dir: str | Path, dtype: str, settings: VllmConfig, sets: dict[str, list[dict]],
+                         encode: Callable[[list[dict]], list[int]], max_new_tokens: int, temperature: float,
+                         concurrency: int, seed: int, chat_template: str | None) -> tuple[dict[str, SetMeasurement],
+                                                                                          Engine]:
+    """The target served without a drafter (rendering chats with `chat_template`, as generation's engine does, so
+    that the two share it), the same requests as the drafters' evals send; and the engine it ran on."""
+    with engine(EngineSpec(str(target_dir), dtype, seed, chat_template=chat_template), settings,
+                "target_speed") as served:
+        return measure_plain(served.url, sets, max_new_tokens, temperature, concurrency, "target alone on vLLM",
+                             encode), served
+
+
 def measure_on_vllm(target_dir: str | Path, drafter_dir: str | Path, dtype: str, settings: VllmConfig,
                     sets: dict[str, list[dict]], encode: Callable[[list[dict]], list[int]], k: int,
-                    max_new_tokens: int, temperature: float, concurrency: int, seed: int, name: str,
-                    target_alone: bool = True, chat_template: str | None = None) -> Served:
-    """`drafter_dir` served with the target on vLLM (and, with `target_alone`, the target without it, rendering
-    chats with `chat_template` as generation's engine does, so that the two share it)."""
-    version, engines, alone = installed_version(), [], None
-    if target_alone:  # first: with one engine kept (a GPU), the one with the drafter is then what later stages find
-        with engine(EngineSpec(str(target_dir), dtype, seed, chat_template=chat_template), settings,
-                    f"eval@{name}, target alone") as served:
-            engines.append(served)
-            alone = measure_plain(served.url, sets, max_new_tokens, temperature, concurrency,
-                                  f"eval@{name} on vLLM, target alone", encode)
+                    max_new_tokens: int, temperature: float, concurrency: int, seed: int, name: str) -> Served:
+    """`drafter_dir` served with the target on vLLM, its weights swapped into the run's engine session."""
     WORK_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"vllm-{name}-", dir=WORK_DIR) as work:
         export = Path(work) / "speculators"
         export_drafter(drafter_dir, export, "speculators", target_dir, speculative_tokens=k)
         with engine(EngineSpec(str(target_dir), dtype, seed, drafter=str(export), k=k), settings,
                     f"eval@{name}") as served:
-            engines.append(served)
             served.use_drafter(export)
             with_drafter = measure("vllm", served.url, sets, k, max_new_tokens, temperature, concurrency,
                                    f"eval@{name} on vLLM", encode)
-    return Served(with_drafter, alone, version, engines)
+    return Served(with_drafter, installed_version(), served)
 
 
 def side_by_side(decoder: AcceptanceStats, engine: AcceptanceStats, decoder_sets: dict[str, AcceptanceStats],

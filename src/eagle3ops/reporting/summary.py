@@ -12,7 +12,7 @@ import pandas as pd
 from eagle3ops.config import EvalDrafter, TrainInit
 
 # The pipeline's stages whose metrics the report reads (the zoo stands in for models a user already has)
-STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit),
+STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit), "target_speed",
           *(f"eval-{d}" for d in EvalDrafter))
 COLORS = dict(zip(EvalDrafter, ("#999999", "#1f77b4", "#ff7f0e")))
 
@@ -94,16 +94,20 @@ def position_table(metrics: dict[str, dict]) -> pd.DataFrame:
 
 
 def target_alone_tokens_per_s(metrics: dict[str, dict]) -> float | None:
-    """The target served alone on vLLM, as the baseline's eval measured it (once a pipeline: a server loads the
-    whole target)."""
-    return (metrics.get("eval-baseline", {}).get("vllm") or {}).get("target_alone_tokens_per_s")
+    """The target served alone on vLLM, as the stage target_speed measured it."""
+    return metrics.get("target_speed", {}).get("tokens_per_s")
+
+
+def _target_alone_hardware(metrics: dict[str, dict]) -> str | None:
+    return metrics.get("target_speed", {}).get("vllm", {}).get("hardware")
 
 
 def served_speedups(metrics: dict[str, dict]) -> dict[str, float]:
-    """Per drafter served on vLLM: its tokens/s over the target's alone, on the same hardware."""
-    alone = target_alone_tokens_per_s(metrics)
+    """Per drafter served on vLLM: its tokens/s over the target's alone, where both ran on the same hardware (by
+    its label)."""
+    alone, where = target_alone_tokens_per_s(metrics), _target_alone_hardware(metrics)
     return {drafter: round(m["vllm"]["tokens_per_s"] / alone, 3) for drafter in EvalDrafter
-            if "vllm" in (m := metrics.get(f"eval-{drafter}", {})) and alone}
+            if "vllm" in (m := metrics.get(f"eval-{drafter}", {})) and alone and m["vllm"]["hardware"] == where}
 
 
 def served_table(metrics: dict[str, dict]) -> pd.DataFrame:
@@ -337,10 +341,12 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None = None) -> str:
 
 
 def engine_starts(metrics: dict[str, dict]) -> dict[str, tuple[int, float]]:
-    """Per stage that served on vLLM in an engine session (the evals, the export's check): the engines it started
+    """Per stage that served on vLLM in an engine session (the target alone, the evals, the export's check): the
+    engines it started
     (0 where it found one running) and the seconds their starts took. A stage DVC did not re-run counts as it did
     when it ran."""
-    served = {f"eval@{drafter}": metrics.get(f"eval-{drafter}", {}).get("vllm", {}) for drafter in EvalDrafter}
+    served = {"target_speed": metrics.get("target_speed", {}),
+              **{f"eval@{drafter}": metrics.get(f"eval-{drafter}", {}).get("vllm", {}) for drafter in EvalDrafter}}
     starts = {stage: (m["engine_starts"], m.get("engine_start_s", 0.0)) for stage, m in served.items()
               if "engine_starts" in m}
     if "engine_started" in (export := metrics.get("export", {})):
@@ -369,8 +375,20 @@ def _served_section(metrics: dict[str, dict]) -> list[str]:
             "serves it, at eval.temperature only (the primary measurement; tau at eval.sampled_temperature is the "
             "decoder's); output = target's: prompts whose greedy output is token for token the target's own; tok/s: "
             "generated tokens per second over all prompts, the requests in flight together, with the drafter and "
-            "(measured once, by the baseline's eval, on a server of its own) the target alone; speed-up = their "
-            "ratio, on this hardware.", "", *([starts, ""] if starts else [])]
+            "the target alone (stage target_speed: once per target, prompts and engine settings); speed-up = their "
+            "ratio, on this hardware.", "", *([note, ""] if (note := _elsewhere(metrics)) else []),
+            *([starts, ""] if starts else [])]
+
+
+def _elsewhere(metrics: dict[str, dict]) -> str | None:
+    """Why a speed-up is missing: the target alone measured on other hardware than a drafter."""
+    where = _target_alone_hardware(metrics)
+    other = sorted({m["vllm"]["hardware"] for d in EvalDrafter if "vllm" in (m := metrics.get(f"eval-{d}", {}))}
+                   - {where})
+    if where is None or not other:
+        return None
+    return (f"No speed-up where the drafter was served on {', '.join(other)}: the target alone was measured on "
+            f"{where} (set hardware.label to the same label, or `dvc repro -f -s target_speed` here).")
 
 
 def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None) -> str:

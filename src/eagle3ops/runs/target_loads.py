@@ -50,6 +50,8 @@ def stage_loads(stage: StageRecord) -> tuple[int, int]:
             return 0, 0
         own = params.get("train.online_engine") == "hf" or _unset(params.get("train.online_url"))
         return (1, 1) if own else (0, 0)
+    if name == "target_speed":
+        return started, used
     if name.startswith("eval@"):
         decoder = int(params.get("eval.backend", "hf") == "hf")
         return decoder + started, decoder + used

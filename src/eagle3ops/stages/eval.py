@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from eagle3ops.config import Config
-from eagle3ops.data.chat import prompt_ids, read_chat_template
+from eagle3ops.data.chat import prompt_ids
 from eagle3ops.data.prompt_sets import load_sets
 from eagle3ops.decoding.engines import measure
 from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, engine_fields, sampled_fields
@@ -89,11 +89,9 @@ def run(cfg: Config, drafter: str) -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             with tracked.phase("serve"):
-                # the target alone once a pipeline, with the baseline: every server loads the whole target again
                 served = measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets,
                                          partial(prompt_ids, tokenizer), cfg.eval.k, cfg.eval.max_new_tokens,
-                                         settings.temperature, cfg.eval.concurrency, cfg.seed, drafter,
-                                         target_alone=drafter == "baseline", chat_template=_chat_template(cfg))
+                                         settings.temperature, cfg.eval.concurrency, cfg.seed, drafter)
             fields["vllm"] = _served_fields(cfg, served, measured.target_outputs if settings.greedy else None)
             _tag_engines(tracked, served)
             if settings.greedy:
@@ -132,8 +130,7 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
                 return measure(ev.backend, ev.server_url, sets, ev.k, ev.max_new_tokens, temperature,
                                ev.concurrency, desc, encode)
             served = measure_on_vllm(cfg.target.path, path, cfg.target.dtype, cfg.vllm, sets, encode, ev.k,
-                                     ev.max_new_tokens, temperature, ev.concurrency, cfg.seed, drafter,
-                                     target_alone=False)
+                                     ev.max_new_tokens, temperature, ev.concurrency, cfg.seed, drafter)
             _tag_engines(tracked, served)
             return served.with_drafter
 
@@ -152,36 +149,28 @@ def run_on_engine(cfg: Config, drafter: str) -> None:
 
 
 def _served_fields(cfg: Config, served: Served, references: dict[str, list[int]] | None) -> dict:
-    """What vLLM measured, in the hf backend's terms, with the served speed with the drafter (and, where it was
-    measured, without it) on this hardware; greedy, how many prompts' output is token for token the target's."""
+    """What vLLM measured, in the hf backend's terms, with the served speed with the drafter on this hardware (the
+    report divides it by the target alone's, stage target_speed); greedy, how many prompts' output is token for
+    token the target's."""
     k = cfg.eval.k
     fields = {"version": served.version,
               **acceptance_fields(served.overall(k), {name: m.stats for name, m in served.with_drafter.items()},
                                   {name: len(m.outputs) for name, m in served.with_drafter.items()})}
     del fields["prompts_by_set"]
     with_drafter = served.tokens_per_s(served.with_drafter)
-    started = [e for e in served.engines if e.started]
     fields.update(tokens_per_s=round(with_drafter, 1), concurrency=cfg.eval.concurrency,
                   hardware=hardware.label(hardware.fingerprint(), cfg.hardware.label),
-                  engine_starts=len(started), engine_start_s=round(sum(e.start_s for e in started), 1))
-    if served.target_alone is not None:
-        alone = served.tokens_per_s(served.target_alone)
-        fields.update(target_alone_tokens_per_s=round(alone, 1), speedup=round(with_drafter / alone, 3))
+                  engine_starts=int(served.engine.started),
+                  engine_start_s=round(served.engine.start_s, 1) if served.engine.started else 0.0)
     if references is not None:
         outputs = served.outputs()
         fields["greedy_equal_prompts"] = sum(outputs.get(pid) == ids for pid, ids in references.items())
     return fields
 
 
-def _chat_template(cfg: Config) -> str | None:
-    """The template the target-alone engine renders chats with: generation's (stages/generate.py), so that the
-    two stages share one engine."""
-    return read_chat_template(cfg.target.chat_template) if cfg.target.chat_template else None
-
-
 def _tag_engines(tracked, served: Served) -> None:
-    """Whether each engine was started by this stage (and its start's seconds) or found running."""
-    tracked.set_tags({ENGINES_TAG: ", ".join(e.summary() for e in served.engines)})
+    """Whether the engine was started by this stage (and its start's seconds) or found running."""
+    tracked.set_tags({ENGINES_TAG: served.engine.summary()})
 
 
 def _flat_metrics(prefix: str, fields: dict) -> dict[str, float]:
