@@ -2,8 +2,10 @@
 bench_train: the fused kernel, bf16 weights with float32 masters, AdamW) on one packed row, under torch.profiler.
 
 Kernels are grouped by what they do (matrix products, flex attention, Inductor's fused pointwise and reduction
-kernels, the optimizer, the rest), summed over every step run (the first included, whose kernels are the same),
-and divided by the number of steps. Prints a table per row length and writes JSON:
+kernels, the optimizer, the rest), summed over the timed steps alone and divided by their number: the first step
+(compilation, whose autotuning runs each candidate kernel many times) and the second (the optimizer's state
+created) are not recorded, nor a warm-up step after them. A step's GPU time beyond its kernels is the GPU waiting
+for the host. Prints a table per row length and writes JSON:
 
     python bench/profile_train_step.py --lengths 8192 16384 --out bench/results/h200-train-profile.json
 """
@@ -16,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from eagle3ops.benchmark.sizes import SIZES
 from eagle3ops.benchmark.training import attention_flops, bench_train, draft_config, packed_documents, train_step_flops
@@ -39,17 +41,19 @@ def profile_row(length: int, steps: int) -> dict:
     cfg = draft_config(size.architecture, size.draft_vocab_size)
     documents = packed_documents(length, 1000.0, 0.8)
     device = torch.device("cuda")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        bench = bench_train(cfg, 1, length, steps, device, "flex", documents=documents)
-    run_steps = steps + 2  # bench_train's first step and its second (the optimizer's state) before the timed ones
+    recorded = steps - 1  # bench_train's steps + 2: not its first two, nor the first timed one (a warm-up)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=2, warmup=1, active=recorded, repeat=1)) as prof:
+        bench = bench_train(cfg, 1, length, steps, device, "flex", documents=documents, after_step=prof.step)
     by_kernel = defaultdict(float)
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            by_kernel[event.key] += event.device_time_total / 1e3 / run_steps  # ms a step
+            by_kernel[event.key] += event.device_time_total / 1e3 / recorded  # ms a step
     by_kind = defaultdict(float)
     for name, ms in by_kernel.items():
         by_kind[kind_of(name)] += ms
     total = sum(by_kernel.values())
+    if total > 1.05 * bench.step_ms:  # kernels of one stream do not overlap: more than the step is a miscount
+        raise RuntimeError(f"{total:.1f} ms of kernels a step exceeds the step, {bench.step_ms} ms")
     top = sorted(by_kernel.items(), key=lambda item: -item[1])[:15]
     # what each kind of kernel achieves: the matrix products' FLOPs (all but the attention's) over their time, the
     # attention's over the flex kernels'; the step's time beyond its kernels is the GPU waiting for the host
@@ -66,7 +70,7 @@ def profile_row(length: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 16384])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (one more than those recorded)")
     parser.add_argument("--out", default="bench/results/h200-train-profile.json")
     args = parser.parse_args()
     rows = []

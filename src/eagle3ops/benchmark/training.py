@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -88,10 +89,10 @@ def packed_documents(length: int, median: float, sigma: float, seed: int = 0) ->
 
 def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
                 ttt_steps: int = 7, seed: int = 0, documents: list[int] | None = None,
-                optim: DrafterTrainConfig | None = None) -> TrainBench:
+                optim: DrafterTrainConfig | None = None, after_step: Callable[[], None] | None = None) -> TrainBench:
     """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`), each row one document or
     packed with `documents`; on a GPU bf16 weights with float32 masters, and the optimizers and TTT positions of
-    `optim`, as the train stage runs."""
+    `optim`, as the train stage runs. `after_step` is called after each of the steps + 2 (a profiler's step)."""
     documents = documents or [length]
     optim = optim or DrafterTrainConfig(epochs=1, lr=1e-4, optimizer="adamw", ttt_steps=ttt_steps)
     draft = random_drafter(cfg, seed, kernel)
@@ -116,6 +117,8 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
         result.loss.backward()
         weights.step(optimizer, 0.5)
         losses.append(round(result.losses[0], 5))
+        if after_step is not None:
+            after_step()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
