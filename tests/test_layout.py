@@ -19,7 +19,7 @@ PACKAGE = ROOT / "src" / "eagle3ops"
 # From the bottom up; a module may import from its own layer and the ones below. A layer names top-level modules
 # or packages of eagle3ops.
 LAYERS = (
-    ("errors", "fs", "progress", "resume", "spec_settings"),  # base helpers
+    ("errors", "fs", "progress", "resume", "spec_settings", "reproducible"),  # base helpers
     ("config",),  # the schema of params.yaml: a leaf above the base helpers (the stage's view: tracking/stage_view.py)
     ("data", "modeling", "formats", "decoding", "serving", "presets"),  # the shared core
     ("generation", "extraction", "training", "reporting", "tracking"),  # each stage's own core
@@ -40,6 +40,8 @@ BOOKKEEPING = {
                         "(tests/test_resume.py)",
     "eagle3ops.tracking": "records the run: MLflow, the metrics files, the target's identity, the dvc.yaml "
                           "declarations it reads; no output of a stage depends on it",
+    "eagle3ops.reproducible": "pins the CPU kernels and thread count (cpu_reproducible, outside the lineage like "
+                              "threads): how the machine rounds, recorded with each run, not what a stage computes",
     "eagle3ops.serving.registry": "the engine sessions running on this machine, stopped when idle to make room "
                                   "(loading the target on a GPU too); which engine answers changes no output",
 }

@@ -792,7 +792,11 @@ def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> Non
     declared = declared_params(project_root(), name, Path(args.params).name)
     if declared is not None:  # a stage of this project's dvc.yaml: it reads only what that declares
         cfg = for_stage(cfg, name, declared)
-    if cfg.threads:
+    if cfg.cpu_reproducible:  # before the stage computes anything: the kernels are chosen at their first use
+        from eagle3ops.reproducible import pin_cpu_kernels
+
+        pin_cpu_kernels(cfg.threads)
+    elif cfg.threads:
         import torch
 
         torch.set_num_threads(cfg.threads)

@@ -642,7 +642,9 @@ class MlflowConfig(Section):
 @dataclass
 class Config(Section):
     seed: int = 0
-    threads: Optional[int] = None  # torch CPU threads; null = torch's default
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (cpu_reproducible: $OMP_NUM_THREADS, else 2)
+    # the same bits on every x86-64 CPU with AVX2: the CPU kernels and thread count pinned (reproducible.py)
+    cpu_reproducible: bool = True
     zoo: ZooConfig = field(default_factory=ZooConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -662,7 +664,7 @@ class Config(Section):
         if not 0 <= self.seed < 2**32:
             yield "seed", (f"must be in [0, 2**32), got {self.seed}: the vLLM servers the stages start seed numpy "
                            f"with it, which takes only those")
-        yield from _at_least(self, 1, "threads", null="torch's default")
+        yield from _at_least(self, 1, "threads", null="torch's default, or 2 with cpu_reproducible")
         template = self.target.chat_template
         template_dep = template if template is not None and _is_template_file(template) else TEMPLATES_DIR
         if not _same_path(self.pipeline.chat_template_dep, template_dep):

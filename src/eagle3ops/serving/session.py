@@ -9,7 +9,7 @@ only training pays it not at all.
 
 Interchangeable (`EngineSpec.key`): the same target, by content (its files, the weights hashed when they are
 small, by name, size and modification time when they are not), dtype, seed, vLLM
-version and the `vllm` settings that shape the engine; for an engine with a drafter, the drafter's served config
+version, the `vllm` settings that shape the engine and the CPU kernels pinned or not (cpu_reproducible); for an engine with a drafter, the drafter's served config
 (everything but its provenance record and the verifier's path: layer shapes, draft vocabulary, aux layer ids,
 norms, rope) and k; the chat template it renders with. A drafter with another config gets another engine; one
 with the same config has its weights loaded into the running one (serving/drafter_swap.py, through vLLM's
@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx2
 
 from eagle3ops.config import VllmConfig
+from eagle3ops.reproducible import PINNED_KERNELS
 from eagle3ops.serving.http import EngineError
 from eagle3ops.serving.registry import (
     ago,
@@ -106,7 +107,9 @@ class EngineSpec:
         identity = {"vllm": installed_version(), "target": target_fingerprint(self.target), "dtype": self.dtype,
                     "seed": self.seed, "settings": shaping, "extra_args": list(settings.extra_args),
                     "drafter": served_config(self.drafter) if self.drafter else None,
-                    "k": self.k if self.drafter else None, "chat_template": self.chat_template}
+                    "k": self.k if self.drafter else None, "chat_template": self.chat_template,
+                    # the CPU kernels it computes with (the reproducible mode's, inherited from the stage, or not)
+                    "cpu_kernels": {name: os.environ.get(name) for name in PINNED_KERNELS}}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from eagle3ops.reproducible import PINNED_KERNELS
+
 UNKNOWN = "unknown"
 NOT_APPLICABLE = "n/a"
 _GIB = 1024**3
@@ -108,6 +110,9 @@ def fingerprint() -> dict[str, Value]:
         # Cores this process may run on (a container or taskset can allow fewer than the machine has).
         "cpu_usable_cores": _safe(lambda: len(os.sched_getaffinity(0))),
         "torch_threads": _safe(torch.get_num_threads),
+        # the CPU kernels torch runs, and whether the reproducible mode pinned them (reproducible.py)
+        "cpu_capability": _safe(torch.backends.cpu.get_cpu_capability),
+        "cpu_kernels_pinned": _safe(lambda: str(all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items()))),
         "ram_gib": _safe(_ram_gib),
         "disk_free_gib": _safe(lambda: round(shutil.disk_usage(os.getcwd()).free / _GIB, 1)),
         "os": _safe(lambda: f"{platform.system()} {platform.release()}"),

@@ -1,0 +1,49 @@
+"""The reproducible CPU mode (params `cpu_reproducible`): the same bits on every x86-64 CPU that has AVX2.
+
+On a CPU the kernels are chosen by the processor: ATen runs its AVX-512 kernels where the CPU has them, MKL picks a
+code path per instruction set, oneDNN likewise, and each rounds float32 differently; so the same commit trained 3.506,
+3.591 and 3.619 on three machines. A reduction split over threads also rounds by how many threads there are (not how
+many cores: two threads on one core give the two-thread bits). This mode pins each choice, in the environment the
+libraries read at their first use, before a stage computes anything:
+
+- ATEN_CPU_CAPABILITY=avx2: ATen's AVX2 kernels;
+- MKL_CBWR=AVX2: MKL's conditional numerical reproducibility, its AVX2 code path;
+- ONEDNN_MAX_CPU_ISA=AVX2: oneDNN at most AVX2;
+- torch's CPU threads: params `threads`, else $OMP_NUM_THREADS, else 2, never the core count.
+
+The servers and stages a stage starts inherit the environment. What it costs in speed: docs/runs.md ("The same bits
+on any machine")."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from eagle3ops.errors import InputError
+
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+DEFAULT_THREADS = 2
+
+
+def mode_threads(threads: int | None) -> int:
+    """The CPU threads of the reproducible mode: `threads`, else $OMP_NUM_THREADS, else DEFAULT_THREADS."""
+    if threads:
+        return threads
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return DEFAULT_THREADS
+
+
+def pin_cpu_kernels(threads: int | None) -> dict[str, str]:
+    """The mode, in this process and those it starts; what it set (for the run's record). InputError where torch
+    already chose its kernels otherwise (something computed before the stage began)."""
+    os.environ.update(PINNED_KERNELS)
+    count = mode_threads(threads)
+    torch.set_num_threads(count)
+    chosen = torch.backends.cpu.get_cpu_capability()
+    if chosen not in ("AVX2", "DEFAULT"):  # DEFAULT: a CPU without AVX2 runs ATen's plain kernels, other bits
+        raise InputError(f"cpu_reproducible: torch chose its {chosen} kernels before the mode could pin AVX2 (a "
+                         f"computation ran before the stage began); start the process with "
+                         f"ATEN_CPU_CAPABILITY=avx2, or set cpu_reproducible: false")
+    return {**PINNED_KERNELS, "threads": str(count), "cpu_capability": chosen}

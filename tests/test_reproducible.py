@@ -1,0 +1,77 @@
+"""The reproducible CPU mode (cpu_reproducible, src/eagle3ops/reproducible.py): a drafter's training steps give the
+same bits whatever kernels the host would choose and however many cores the process may use; without the mode
+they do not (where this CPU has more than AVX2).
+
+Starts six Python processes of a few seconds each (torch's import, ten TTT steps of a tiny drafter)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.processes
+
+# Ten AdamW steps of the TTT loss on a tiny drafter, from a seed; prints the kernels torch ran and a digest of the
+# weights. With PIN set, the mode pins the kernels first, as `eagle3ops <stage>` does before the stage computes.
+PROBE = """
+import hashlib, os, sys
+import torch
+if os.environ.get("PIN"):
+    from eagle3ops.reproducible import pin_cpu_kernels
+    pin_cpu_kernels(None)
+from eagle3ops.modeling.draft import DraftConfig, Eagle3Draft, ttt_loss
+torch.manual_seed(0)
+cfg = DraftConfig(hidden_size=64, intermediate_size=192, num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
+                  draft_vocab_size=256, target_hidden_size=64, aux_layers=[2, 4, 5], max_position_embeddings=1024)
+draft = Eagle3Draft(cfg)
+draft.t2d[:256] = True
+draft.d2t.zero_()
+optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+ids, aux, final = torch.randint(0, 512, (2, 384)), torch.randn(2, 384, 192), torch.randn(2, 384, 64)
+mask, positions, head = torch.ones(2, 384, dtype=torch.long), torch.arange(384).expand(2, 384), torch.randn(512, 64) * 0.05
+for _ in range(10):
+    optimizer.zero_grad()
+    ttt_loss(draft, ids, aux, final, mask, positions, head, 7).loss.backward()
+    optimizer.step()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in draft.parameters())).hexdigest()
+print(torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), digest)
+"""
+
+CLEAN = {key: value for key, value in os.environ.items()
+         if key not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")}
+
+
+def probe(env: dict[str, str], cores: int | None = None) -> tuple[str, int, str]:
+    """(kernels, threads, digest) of PROBE in a fresh process with `env` over the clean environment, allowed
+    `cores` of this machine's."""
+    command = [sys.executable, "-c", PROBE]
+    if cores is not None:
+        command = ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))[:cores])), *command]
+    done = subprocess.run(command, env={**CLEAN, **env}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels, threads, digest = done.stdout.split()
+    return kernels, int(threads), digest
+
+
+def test_the_mode_gives_the_same_bits_whatever_the_host_would_choose():
+    """The mode's bits with other choices preset in the environment (ATen's AVX-512 kernels, MKL's most
+    compatible path, which rounds otherwise, one core) equal those on two cores with nothing preset: the mode pins
+    the kernels and the threads."""
+    pinned = probe({"PIN": "1", "ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "2"},
+                   cores=1)
+    again = probe({"PIN": "1", "OMP_NUM_THREADS": "2"}, cores=min(2, len(os.sched_getaffinity(0))))
+    assert pinned == again and pinned[:2] == ("AVX2", 2)
+
+
+def test_without_the_mode_the_bits_follow_the_cpu_and_the_threads():
+    """What the mode is for, shown on this CPU: its own kernels and the AVX2 ones round differently, and so do
+    one and two threads of the same kernels (the check above would pass for nothing otherwise)."""
+    native = probe({"OMP_NUM_THREADS": "1"})
+    if native[0] == "AVX2":
+        pytest.skip("this CPU's own kernels are AVX2: nothing for the mode to pin here")
+    avx2 = probe({"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"})
+    assert native[0] != "AVX2" and avx2[0] == "AVX2" and native[2] != avx2[2]
+    two_threads = probe({"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}, cores=1)
+    assert two_threads[1] == 2 and two_threads[2] != avx2[2]
