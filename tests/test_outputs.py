@@ -321,7 +321,9 @@ def test_reproduce_json_refused_before_the_pipeline_runs_again(tmp_path, monkeyp
             "a report written by eagle3ops reproduce", "it is a file of 16 bytes", "--json")
     assert out.read_bytes() == USERS
     earlier = tmp_path / "earlier.json"  # what an earlier reproduce --json wrote is its to replace
-    earlier.write_text(reproduce.as_json(SimpleNamespace(outputs={"data": "same"}, metrics={})))
+    earlier.write_text(reproduce.as_json(reproduce.Reproduction(
+        [{"path": "data", "kind": "result", "identical": True}], [], tmp_path,
+        reproduce.Expectation(True, "the same CPU model"), [])))
     fs.check_output(earlier, fs.REPRODUCTION)
 
 

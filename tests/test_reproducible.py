@@ -1,8 +1,9 @@
 """The reproducible CPU mode (cpu_reproducible, src/eagle3ops/reproducible.py): a drafter's training steps give the
 same bits whatever kernels the host would choose and however many cores the process may use; without the mode
-they do not (where this CPU has more than AVX2).
+they do not (where this CPU has more than AVX2). And what `reproduce` expects of a run recorded elsewhere.
 
-Starts six Python processes of a few seconds each (torch's import, ten TTT steps of a tiny drafter)."""
+The two process tests start six Python processes of a few seconds each (torch's import, ten TTT steps of a tiny
+drafter)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
-pytestmark = pytest.mark.processes
 
 # Ten AdamW steps of the TTT loss on a tiny drafter, from a seed; prints the kernels torch ran and a digest of the
 # weights. With PIN set, the mode pins the kernels first, as `eagle3ops <stage>` does before the stage computes.
@@ -55,6 +54,7 @@ def probe(env: dict[str, str], cores: int | None = None) -> tuple[str, int, str]
     return kernels, int(threads), digest
 
 
+@pytest.mark.processes
 def test_the_mode_gives_the_same_bits_whatever_the_host_would_choose():
     """The mode's bits with other choices preset in the environment (ATen's AVX-512 kernels, MKL's most
     compatible path, which rounds otherwise, one core) equal those on two cores with nothing preset: the mode pins
@@ -65,6 +65,7 @@ def test_the_mode_gives_the_same_bits_whatever_the_host_would_choose():
     assert pinned == again and pinned[:2] == ("AVX2", 2)
 
 
+@pytest.mark.processes
 def test_without_the_mode_the_bits_follow_the_cpu_and_the_threads():
     """What the mode is for, shown on this CPU: its own kernels and the AVX2 ones round differently, and so do
     one and two threads of the same kernels (the check above would pass for nothing otherwise)."""
@@ -75,3 +76,29 @@ def test_without_the_mode_the_bits_follow_the_cpu_and_the_threads():
     assert native[0] != "AVX2" and avx2[0] == "AVX2" and native[2] != avx2[2]
     two_threads = probe({"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}, cores=1)
     assert two_threads[1] == 2 and two_threads[2] != avx2[2]
+
+
+def test_reproduce_expects_bytes_only_where_they_can_come_back():
+    """The same bytes: CPUs, the same torch and threads, and the kernels pinned on both sides (any CPU model) or
+    the same CPU model; else the figures, with the reason named."""
+    from eagle3ops.runs.records import PipelineRecord, StageRecord
+    from eagle3ops.runs.reproduce import expectation
+
+    def recorded(**facts: str) -> PipelineRecord:
+        tags = {f"hardware.{key}": value for key, value in {
+            "gpu_count": "0", "torch": "2.13.0+cpu", "torch_threads": "2", "cpu_model": "AMD EPYC 7B13",
+            "cpu_kernels_pinned": "True", **facts}.items()}
+        stages = {name: StageRecord(name, name.partition("@")[0], name.partition("@")[2], f"run-{name}", False, {},
+                                    {}, tags) for name in ("zoo", "train@scratch")}
+        return PipelineRecord("p", "run", {}, stages=stages)
+
+    here = {"torch": "2.13.0+cpu", "cpu_model": "Intel Xeon Platinum 8481C"}
+    assert expectation(recorded(), here, 2, pinned_here=True).same_bytes  # another CPU, both pinned
+    assert "AVX2" in expectation(recorded(), here, 2, pinned_here=True).why
+    assert not expectation(recorded(), here, 2, pinned_here=False).same_bytes
+    assert not expectation(recorded(cpu_kernels_pinned="False"), here, 2, pinned_here=True).same_bytes
+    assert expectation(recorded(cpu_kernels_pinned="False", cpu_model=here["cpu_model"]), here, 2, False).same_bytes
+    assert "threads" in expectation(recorded(), here, 1, pinned_here=True).why
+    assert "torch" in expectation(recorded(torch="2.11.0"), here, 2, pinned_here=True).why
+    assert "GPU" in expectation(recorded(gpu_count="1"), here, 2, pinned_here=True).why
+    assert not expectation(recorded(torch_threads="unknown"), here, 2, pinned_here=True).same_bytes  # older runs

@@ -4,6 +4,11 @@ The pipeline run's parent carries its git commit (tag) and, under `lineage/`, th
 dvc.lock it ran with (logged by the report stage). A detached git worktree of that commit gets those three
 files and an empty DVC cache, so `dvc repro` recomputes every stage; then each output's md5 is compared with
 the recorded lock, and each stage metric with the recorded run.
+
+What to expect (`expectation`): the same bytes where they can come back, i.e. the run was made on CPUs only, with
+the same torch and thread count, and either both sides pinned the CPU kernels (cpu_reproducible: any x86-64 CPU with
+AVX2 computes the same bits) or both ran on the same CPU model; otherwise (a GPU, another torch, unpinned kernels on
+another CPU) only the figures, each eval's τ inside the recorded 95% interval.
 """
 from __future__ import annotations
 
@@ -19,11 +24,19 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from eagle3ops.errors import InputError
-from eagle3ops.runs.records import load_pipeline
+from eagle3ops.reproducible import mode_threads
+from eagle3ops.runs.records import PipelineRecord, load_pipeline
+from eagle3ops.tracking import hardware
 from eagle3ops.tracking.lineage import load_yaml, lock_outputs
 from eagle3ops.tracking.metrics import HEADLINE, METRICS_DIR, read_all
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
+
+
+@dataclass(frozen=True)
+class Expectation:
+    same_bytes: bool  # False: only the figures, within their intervals
+    why: str
 
 
 @dataclass
@@ -31,11 +44,40 @@ class Reproduction:
     outputs: list[dict]  # path, kind, recorded md5, reproduced md5, identical
     metrics: list[dict]  # stage, metric, recorded, reproduced, delta
     worktree: Path
+    expected: Expectation
+    taus: list[dict]  # per eval: recorded tau, its interval, reproduced tau, inside
 
     @property
     def identical(self) -> bool:
         """Every data and model output came back byte for byte (metrics and reports hold wall times)."""
         return all(row["identical"] for row in self.outputs if row["kind"] == "result")
+
+    @property
+    def as_expected(self) -> bool:
+        """The bytes where they should come back, else every eval's tau inside its recorded interval."""
+        return self.identical if self.expected.same_bytes else all(row["inside"] for row in self.taus)
+
+
+def expectation(record: PipelineRecord, here: dict, threads_here: int, pinned_here: bool) -> Expectation:
+    """Whether a reproduction on this machine (its fingerprint `here`, the thread count and kernel pinning its
+    stages will run with) should give the recorded run's bytes, from the hardware facts its stage runs recorded."""
+    facts = {key: {stage.tags.get(f"hardware.{key}", "unknown") for stage in record.stages.values()}
+             for key in ("gpu_count", "torch", "torch_threads", "cpu_model", "cpu_kernels_pinned")}
+    if facts["gpu_count"] - {"0"}:
+        return Expectation(False, f"stages of the run used a GPU (gpu_count {sorted(facts['gpu_count'])}): GPU "
+                                  f"kernels round by card and launch, so only the figures can come back")
+    if facts["torch"] != {str(here["torch"])}:
+        return Expectation(False, f"torch {sorted(facts['torch'])} then, {here['torch']} here: other kernels")
+    if facts["torch_threads"] != {str(threads_here)}:
+        return Expectation(False, f"{sorted(facts['torch_threads'])} CPU threads then, {threads_here} here: a "
+                                  f"reduction split otherwise rounds otherwise")
+    if facts["cpu_kernels_pinned"] == {"True"} and pinned_here:
+        return Expectation(True, f"CPU kernels pinned to AVX2 (cpu_reproducible) on both sides, {threads_here} "
+                                 f"threads, torch {here['torch']}: any x86-64 CPU with AVX2 computes the same bits")
+    if facts["cpu_model"] == {str(here["cpu_model"])}:
+        return Expectation(True, f"the same CPU model ({here['cpu_model']}), torch and threads")
+    return Expectation(False, f"this CPU's own kernels (cpu_reproducible off) on {sorted(facts['cpu_model'])} "
+                              f"then, {here['cpu_model']} here: they round otherwise")
 
 
 def _kind(path: str, params: dict) -> str:
@@ -75,13 +117,17 @@ def reproduce(client: MlflowClient, run_id: str, repo: Path, tracking_uri: str, 
         recorded = lock_outputs(staging / "lineage" / "dvc.lock")
         again = lock_outputs(worktree / "dvc.lock")
         params = load_yaml((worktree / "params.yaml").read_text())
+        pinned = bool(params.get("cpu_reproducible", False))  # the key's default where the run predates it
+        expected = expectation(record, hardware.fingerprint(), mode_threads(params.get("threads")) if pinned
+                               else _threads_unpinned(params.get("threads")), pinned)
         outputs = [{"path": path, "kind": _kind(path, params), "recorded": md5, "reproduced": again.get(path),
                     "identical": again.get(path) == md5} for path, md5 in sorted(recorded.items())]
-        metrics = _metric_moves(record, read_all(worktree / "metrics"))
+        reproduced = read_all(worktree / "metrics")
+        metrics, taus = _metric_moves(record, reproduced), _taus(record, reproduced)
     finally:
         if not keep:
             _run(["git", "worktree", "remove", "--force", str(worktree)], repo)
-    return Reproduction(outputs, metrics, worktree)
+    return Reproduction(outputs, metrics, worktree, expected, taus)
 
 
 def _metric_moves(record, reproduced: dict[str, dict]) -> list[dict]:
@@ -97,16 +143,44 @@ def _metric_moves(record, reproduced: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def _threads_unpinned(threads: int | None) -> int:
+    """The thread count a stage without the reproducible mode runs with: `threads`, else torch's default."""
+    import torch
+
+    return threads or torch.get_num_threads()
+
+
+def _taus(record, reproduced: dict[str, dict]) -> list[dict]:
+    """Each eval's recorded tau and 95% interval beside the reproduced tau."""
+    rows = []
+    for name, stage in sorted(record.stages.items()):
+        low, high = stage.metrics.get("tau_ci_low"), stage.metrics.get("tau_ci_high")
+        again = reproduced.get(name.replace("@", "-"), {}).get("tau")
+        if stage.stage == "eval" and low is not None and high is not None and again is not None:
+            rows.append({"stage": name, "recorded": stage.metrics.get("tau"), "interval": f"{low:.3f}-{high:.3f}",
+                         "reproduced": again, "inside": low <= again <= high})
+    return rows
+
+
 def summary(result: Reproduction) -> str:
     outputs = pd.DataFrame(result.outputs)
     metrics = pd.DataFrame(result.metrics)
     results = outputs[outputs["kind"] == "result"] if len(outputs) else outputs
     same = int(results["identical"].sum()) if len(results) else 0
-    lines = [f"data and model outputs identical: {same}/{len(results)} (metrics and reports carry wall times)", "", outputs.to_markdown(index=False) if len(outputs) else "",
+    expected = ("the same bytes" if result.expected.same_bytes else "the figures only, each eval's tau inside its "
+                "recorded 95% interval")
+    verdict = "as expected" if result.as_expected else "NOT as expected"
+    lines = [f"expected: {expected}: {result.expected.why}; {verdict}", "",
+             f"data and model outputs identical: {same}/{len(results)} (metrics and reports carry wall times)", "",
+             outputs.to_markdown(index=False) if len(outputs) else "",
              "", "metric moves (timings always move; model and data metrics should not):", "",
-             metrics.to_markdown(index=False, floatfmt=".4g") if len(metrics) else "(none)"]
+             metrics.to_markdown(index=False, floatfmt=".4g") if len(metrics) else "(none)", "",
+             "tau against the recorded 95% interval:", "",
+             pd.DataFrame(result.taus).to_markdown(index=False, floatfmt=".4f") if result.taus else "(no eval)"]
     return "\n".join(lines)
 
 
 def as_json(result: Reproduction) -> str:
-    return json.dumps({"outputs": result.outputs, "metrics": result.metrics}, indent=2)
+    return json.dumps({"expected": {"same_bytes": result.expected.same_bytes, "why": result.expected.why},
+                       "as_expected": result.as_expected, "outputs": result.outputs, "metrics": result.metrics,
+                       "taus": result.taus}, indent=2)

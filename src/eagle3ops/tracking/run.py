@@ -56,8 +56,10 @@ from eagle3ops.tracking.store import (
 
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
 MAX_PARAM_CHARS = 500
-# The hardware facts a runs table filters and groups by; every fact is in the run's hardware.json
-HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores")
+# The hardware facts a runs table filters and groups by, and those that decide a CPU run's bits (`reproduce` reads
+# them: runs/reproduce.py, expectation); every fact is in the run's hardware.json
+HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores", "cpu_model", "torch", "torch_threads",
+                 "cpu_capability", "cpu_kernels_pinned")
 LOAD_METRIC = "machine/load_per_core"  # 1-minute load average per usable core as the stage ended
 # Why a stage run is a one-off (`--set train.lr=1e-3`, `--params other.yaml`), set by the CLI; None: the pipeline's
 # run. A one-off run is recorded, tagged eagle3ops.one_off, but leaves the pipeline's metrics and the champion alone.
