@@ -35,9 +35,9 @@ def mode_threads(threads: int | None) -> int:
         return DEFAULT_THREADS
 
 
-def pin_cpu_kernels(threads: int | None) -> dict[str, str]:
-    """The mode, in this process and those it starts; what it set (for the run's record). InputError where torch
-    already chose its kernels otherwise (something computed before the stage began)."""
+def pin_cpu_kernels(threads: int | None) -> None:
+    """The mode, in this process and those it starts (each stage run's hardware fingerprint records what it set).
+    InputError where torch already chose its kernels otherwise (something computed before the stage began)."""
     os.environ.update(PINNED_KERNELS)
     count = mode_threads(threads)
     torch.set_num_threads(count)
@@ -46,4 +46,3 @@ def pin_cpu_kernels(threads: int | None) -> dict[str, str]:
         raise InputError(f"cpu_reproducible: torch chose its {chosen} kernels before the mode could pin AVX2 (a "
                          f"computation ran before the stage began); start the process with "
                          f"ATEN_CPU_CAPABILITY=avx2, or set cpu_reproducible: false")
-    return {**PINNED_KERNELS, "threads": str(count), "cpu_capability": chosen}
