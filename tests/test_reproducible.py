@@ -3,10 +3,11 @@ same bits whatever kernels the host would choose and however many cores the proc
 they do not (where this CPU has more than AVX2). And what `reproduce` expects of a run recorded elsewhere.
 
 The two process tests start six Python processes of a few seconds each (torch's import, ten TTT steps of a tiny
-drafter)."""
+drafter); the compile-cache test two that compile the step loss (about 40 s, heavy)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -52,6 +53,42 @@ def probe(env: dict[str, str], cores: int | None = None) -> tuple[str, int, str]
     assert done.returncode == 0, done.stderr[-3000:]
     kernels, threads, digest = done.stdout.split()
     return kernels, int(threads), digest
+
+
+# The step loss compiled by Inductor's CPU backend, forward and backward; prints the kernels torch ran.
+COMPILED_PROBE = """
+import os
+import torch
+if os.environ.get("PIN"):
+    from eagle3ops.reproducible import pin_cpu_kernels
+    pin_cpu_kernels(None)
+from eagle3ops.modeling.draft import step_loss
+generator = torch.Generator().manual_seed(0)
+logits = torch.randn(2, 12, 16, generator=generator, requires_grad=True)
+target = torch.softmax(torch.randn(2, 12, 16, generator=generator), -1)
+mass, counted = torch.rand(2, 12, generator=generator), torch.rand(2, 12, generator=generator) > 0.3
+summed, _, _ = torch.compile(step_loss, dynamic=False)(logits, target, mass, target.argmax(-1), counted)
+summed.backward()
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on a CPU needs a C compiler")
+@pytest.mark.heavy
+def test_a_pinned_process_never_loads_a_graph_compiled_for_the_cpus_own_kernels(tmp_path):
+    """Inductor keys its cache without the vector ISA ATEN_CPU_CAPABILITY chose: a pinned process that found the
+    step loss compiled for this CPU's AVX-512 lanes built it for AVX2's and crashed (a segfault). The mode keeps its
+    own compile cache, so the same cache directory serves both."""
+    env = {**CLEAN, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    own = subprocess.run([sys.executable, "-c", COMPILED_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert own.returncode == 0, own.stderr[-3000:]
+    if own.stdout.split()[-1] == "AVX2":
+        pytest.skip("this CPU's own kernels are AVX2: the pinned ones are the same")
+    pinned = subprocess.run([sys.executable, "-c", COMPILED_PROBE], env={**env, "PIN": "1"}, capture_output=True,
+                            text=True, timeout=300)
+    assert pinned.returncode == 0, pinned.stderr[-3000:]
+    assert pinned.stdout.split()[-1] == "AVX2" and (tmp_path / "inductor" / "cpu-reproducible").is_dir()
 
 
 @pytest.mark.processes

@@ -11,18 +11,25 @@ libraries read at their first use, before a stage computes anything:
 - ONEDNN_MAX_CPU_ISA=AVX2: oneDNN at most AVX2;
 - torch's CPU threads: params `threads`, else $OMP_NUM_THREADS, else 2, never the core count.
 
+The mode's compile caches (Inductor's, vLLM's) are kept apart from those of the CPU's own kernels: Inductor keys a
+compiled graph without the vector ISA that ATEN_CPU_CAPABILITY chose, so a graph generated for AVX-512's 16 lanes
+would be loaded by a pinned process and built for AVX2's 8 (or the other way round), and crash it (a segfault).
+
 The servers and stages a stage starts inherit the environment. What it costs in speed: docs/runs.md ("The same bits
 on any machine")."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from eagle3ops.errors import InputError
 
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 DEFAULT_THREADS = 2
+MODE_CACHE = "cpu-reproducible"  # the mode's compile caches: this folder inside each cache's own
 
 
 def mode_threads(threads: int | None) -> int:
@@ -39,6 +46,7 @@ def pin_cpu_kernels(threads: int | None) -> None:
     """The mode, in this process and those it starts (each stage run's hardware fingerprint records what it set).
     InputError where torch already chose its kernels otherwise (something computed before the stage began)."""
     os.environ.update(PINNED_KERNELS)
+    separate_compile_caches()
     count = mode_threads(threads)
     torch.set_num_threads(count)
     chosen = torch.backends.cpu.get_cpu_capability()
@@ -46,3 +54,12 @@ def pin_cpu_kernels(threads: int | None) -> None:
         raise InputError(f"cpu_reproducible: torch chose its {chosen} kernels before the mode could pin AVX2 (a "
                          f"computation ran before the stage began); start the process with "
                          f"ATEN_CPU_CAPABILITY=avx2, or set cpu_reproducible: false")
+
+
+def separate_compile_caches() -> None:
+    """Inductor's and vLLM's compile caches moved into a MODE_CACHE folder of their own (module docstring: why)."""
+    vllm_default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    for variable, default in (("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()), ("VLLM_CACHE_ROOT", vllm_default)):
+        cache = Path(os.environ.get(variable) or default)
+        if cache.name != MODE_CACHE:
+            os.environ[variable] = str(cache / MODE_CACHE)
