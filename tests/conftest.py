@@ -42,6 +42,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # server and script they start. A second thread costs more in waiting than it computes, and OpenMP's spinning
     # waits multiply that when processes share the cores (a stage beside the other worker ran 3 to 8 times slower).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The reproducible CPU mode (cpu_reproducible, the default) in the test processes too, before any computation
+    # chooses this CPU's kernels: a stage run in-process finds them already chosen, as it checks
+    from eagle3ops.reproducible import pin_environment
+
+    pin_environment()
     for marker, what in SLOW_TIER.items():
         config.addinivalue_line("markers", f"{marker}: {what}; left out of the default run, `pytest --all` runs it")
     if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller, or pytest without -n

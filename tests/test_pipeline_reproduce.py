@@ -23,9 +23,9 @@ def test_reproduce_gives_identical_hashes(repo):
     uri = f"sqlite:///{repo / 'mlflow.db'}"
     output = run(["eagle3ops", "reproduce", first.run_id, "--tracking-uri", uri, "--json", "reproduced.json"], repo)
     result = json.loads((repo / "reproduced.json").read_text())
-    # recorded and reproduced on this CPU model, the same torch and threads: the bytes are expected, and came back
+    # recorded and reproduced on this CPU with the kernels pinned: the bytes are expected, and came back
     assert result["expected"]["same_bytes"] and result["as_expected"], output
-    assert "expected: the same bytes: the same CPU model" in output, output
+    assert "expected: the same bytes: CPU kernels pinned to AVX2 (cpu_reproducible)" in output, output
     assert all(row["inside"] for row in result["taus"]) and len(result["taus"]) == 3
     data_and_models = [o for o in result["outputs"] if o["kind"] == "result"]
     # the zoo's two, generated, prepared, features, two drafters, the export, and two plots of each drafter

@@ -643,9 +643,8 @@ class MlflowConfig(Section):
 class Config(Section):
     seed: int = 0
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (cpu_reproducible: $OMP_NUM_THREADS, else 2)
-    # the same bits on every x86-64 CPU with AVX2: the CPU kernels and thread count pinned (reproducible.py); off
-    # by default while torch.compile on a CPU crashes under the pinned kernels (docs/runs.md)
-    cpu_reproducible: bool = False
+    # the same bits on every x86-64 CPU with AVX2: the CPU kernels and thread count pinned (reproducible.py)
+    cpu_reproducible: bool = True
     zoo: ZooConfig = field(default_factory=ZooConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

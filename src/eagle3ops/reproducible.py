@@ -45,8 +45,7 @@ def mode_threads(threads: int | None) -> int:
 def pin_cpu_kernels(threads: int | None) -> None:
     """The mode, in this process and those it starts (each stage run's hardware fingerprint records what it set).
     InputError where torch already chose its kernels otherwise (something computed before the stage began)."""
-    os.environ.update(PINNED_KERNELS)
-    separate_compile_caches()
+    pin_environment()
     count = mode_threads(threads)
     torch.set_num_threads(count)
     chosen = torch.backends.cpu.get_cpu_capability()
@@ -54,6 +53,13 @@ def pin_cpu_kernels(threads: int | None) -> None:
         raise InputError(f"cpu_reproducible: torch chose its {chosen} kernels before the mode could pin AVX2 (a "
                          f"computation ran before the stage began); start the process with "
                          f"ATEN_CPU_CAPABILITY=avx2, or set cpu_reproducible: false")
+
+
+def pin_environment() -> None:
+    """The mode's environment, read by the libraries at their first use: the kernels pinned, the compile caches
+    apart."""
+    os.environ.update(PINNED_KERNELS)
+    separate_compile_caches()
 
 
 def separate_compile_caches() -> None:
