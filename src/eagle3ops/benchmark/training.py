@@ -3,6 +3,7 @@ ranks."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -62,6 +63,7 @@ class TrainBench:
     steady_peak_gib: float | None  # over the timed steps alone
     tflops: float
     losses: list[float] = field(default_factory=list)
+    weights_sha256: str | None = None  # of the trained (master) weights, where asked: whether two runs agree in bits
 
 
 def random_drafter(cfg: DraftConfig, seed: int, attention_kernel: str = "auto") -> Eagle3Draft:
@@ -89,10 +91,12 @@ def packed_documents(length: int, median: float, sigma: float, seed: int = 0) ->
 
 def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: torch.device, kernel: str,
                 ttt_steps: int = 7, seed: int = 0, documents: list[int] | None = None,
-                optim: DrafterTrainConfig | None = None, after_step: Callable[[], None] | None = None) -> TrainBench:
+                optim: DrafterTrainConfig | None = None, after_step: Callable[[], None] | None = None,
+                digest: bool = False) -> TrainBench:
     """`steps` optimizer steps on random inputs (the same for both kernels, from `seed`), each row one document or
     packed with `documents`; on a GPU bf16 weights with float32 masters, and the optimizers and TTT positions of
-    `optim`, as the train stage runs. `after_step` is called after each of the steps + 2 (a profiler's step)."""
+    `optim`, as the train stage runs. `after_step` is called after each of the steps + 2 (a profiler's step);
+    `digest`: the trained weights' sha256 in the result."""
     documents = documents or [length]
     optim = optim or DrafterTrainConfig(epochs=1, lr=1e-4, optimizer="adamw", ttt_steps=ttt_steps)
     draft = random_drafter(cfg, seed, kernel)
@@ -137,7 +141,15 @@ def bench_train(cfg: DraftConfig, batch: int, length: int, steps: int, device: t
     gib = (lambda value: round(value, 2) if value is not None else None)
     return TrainBench(kernel, batch, length, len(documents), round(first, 2), round(seconds * 1e3, 1),
                       batch * length / seconds, gib(max(peak, steady) if peak else None), gib(steady),
-                      flops / seconds / 1e12, losses)
+                      flops / seconds / 1e12, losses, weights_digest(weights.masters) if digest else None)
+
+
+def weights_digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 over the tensors' bytes, in order."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        hasher.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
 
 
 # name: (DrafterTrainConfig fields, EAGLE-3.1); each one switch away from the first
