@@ -40,8 +40,8 @@ BOOKKEEPING = {
                         "(tests/test_resume.py)",
     "eagle3ops.tracking": "records the run: MLflow, the metrics files, the target's identity, the dvc.yaml "
                           "declarations it reads; no output of a stage depends on it",
-    "eagle3ops.reproducible": "pins the CPU kernels and thread count (cpu_reproducible, outside the lineage like "
-                              "threads): how the machine rounds, recorded with each run, not what a stage computes",
+    "eagle3ops.reproducible": "pins the CPU kernels and thread count (cpu_reproducible) and the GPU's deterministic "
+                              "settings (gpu_deterministic), outside the lineage like threads: how the machine rounds, recorded with each run, not what a stage computes",
     "eagle3ops.serving.registry": "the engine sessions running on this machine, stopped when idle to make room "
                                   "(loading the target on a GPU too); which engine answers changes no output",
 }

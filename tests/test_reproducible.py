@@ -116,8 +116,9 @@ def test_without_the_mode_the_bits_follow_the_cpu_and_the_threads():
 
 
 def test_reproduce_expects_bytes_only_where_they_can_come_back():
-    """The same bytes: CPUs, the same torch and threads, and the kernels pinned on both sides (any CPU model) or
-    the same CPU model; else the figures, with the reason named."""
+    """The same bytes: the same torch and threads, CPUs only or a GPU of the same model with gpu_deterministic on
+    both sides, and the kernels pinned on both sides (any CPU model) or the same CPU model; else the figures, with
+    the reason named."""
     from eagle3ops.runs.records import PipelineRecord, StageRecord
     from eagle3ops.runs.reproduce import expectation
 
@@ -138,4 +139,30 @@ def test_reproduce_expects_bytes_only_where_they_can_come_back():
     assert "threads" in expectation(recorded(), here, 1, pinned_here=True).why
     assert "torch" in expectation(recorded(torch="2.11.0"), here, 2, pinned_here=True).why
     assert "GPU" in expectation(recorded(gpu_count="1"), here, 2, pinned_here=True).why
+    # on a GPU: bytes only with gpu_deterministic on both sides, on the same GPU model
+    h100 = {**here, "gpu_models": "NVIDIA H100 80GB HBM3"}
+    on_gpu = dict(gpu_count="1", gpu_models=h100["gpu_models"])
+    assert expectation(recorded(**on_gpu, gpu_deterministic="True"), h100, 2, True, deterministic_here=True).same_bytes
+    assert "gpu_deterministic" in expectation(recorded(**on_gpu, gpu_deterministic="True"), h100, 2, True).why
+    assert "gpu_deterministic" in expectation(recorded(**on_gpu, gpu_deterministic="False"), h100, 2, True, True).why
+    other_card = expectation(recorded(**on_gpu, gpu_deterministic="True"), {**h100, "gpu_models": "NVIDIA H200"}, 2,
+                             True, True)
+    assert not other_card.same_bytes and "H200" in other_card.why
     assert not expectation(recorded(torch_threads="unknown"), here, 2, pinned_here=True).same_bytes  # older runs
+
+
+def test_gpu_deterministic_sets_what_cublas_and_inductor_read(monkeypatch):
+    """The stage's GPU settings: cuBLAS's workspace variable, Inductor's deterministic mode in this process (its
+    config read the variable when imported) and for the processes it starts, all recorded in the fingerprint."""
+    import torch._inductor.config as inductor_config
+
+    from eagle3ops.reproducible import DETERMINISTIC_GPU, make_gpu_deterministic
+    from eagle3ops.tracking.hardware import fingerprint
+
+    for name in DETERMINISTIC_GPU:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(inductor_config, "deterministic", False)
+    assert fingerprint()["gpu_deterministic"] == "False"
+    make_gpu_deterministic()
+    assert inductor_config.deterministic and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert fingerprint()["gpu_deterministic"] == "True"

@@ -802,6 +802,10 @@ def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> Non
         import torch
 
         torch.set_num_threads(cfg.threads)
+    if cfg.gpu_deterministic:
+        from eagle3ops.reproducible import make_gpu_deterministic
+
+        make_gpu_deterministic()
     one_off = _one_off(args)
     if one_off:
         print(f"eagle3ops {name}: a one-off run ({one_off}): its metrics and plots go to {ONE_OFF_DIR}/, not the "

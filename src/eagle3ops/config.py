@@ -645,6 +645,8 @@ class Config(Section):
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (cpu_reproducible: $OMP_NUM_THREADS, else 2)
     # the same bits on every x86-64 CPU with AVX2: the CPU kernels and thread count pinned (reproducible.py)
     cpu_reproducible: bool = True
+    # the same bits run after run on one GPU model: cuBLAS's and Inductor's deterministic settings (reproducible.py)
+    gpu_deterministic: bool = True
     zoo: ZooConfig = field(default_factory=ZooConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,4 +1,5 @@
-"""The reproducible CPU mode (params `cpu_reproducible`): the same bits on every x86-64 CPU that has AVX2.
+"""The reproducible modes: on a CPU (params `cpu_reproducible`) the same bits on every x86-64 CPU that has AVX2; on a
+GPU (params `gpu_deterministic`) the same bits run after run on one card model.
 
 On a CPU the kernels are chosen by the processor: ATen runs its AVX-512 kernels where the CPU has them, MKL picks a
 code path per instruction set, oneDNN likewise, and each rounds float32 differently; so the same commit trained 3.506,
@@ -15,6 +16,12 @@ The mode's compile caches (Inductor's, vLLM's) are kept apart from those of the 
 compiled graph without the vector ISA that ATEN_CPU_CAPABILITY chose, so a graph generated for AVX-512's 16 lanes
 would be loaded by a pinned process and built for AVX2's 8 (or the other way round), and crash it (a segfault).
 
+On a GPU a run's bits changed from one fresh compile cache to the next (docs/performance.md, "The same bits twice"):
+Inductor chooses its kernels by timing candidates on the device, and cuBLAS picks workspaces at run time.
+`gpu_deterministic` sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (cuBLAS's deterministic workspaces) and Inductor's
+deterministic mode (kernels chosen without timing them); the training loop always asks torch for deterministic
+algorithms where they exist.
+
 The servers and stages a stage starts inherit the environment. What it costs in speed: docs/runs.md ("The same bits
 on any machine")."""
 from __future__ import annotations
@@ -28,6 +35,8 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from eagle3ops.errors import InputError
 
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+DETERMINISTIC_GPU = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHINDUCTOR_DETERMINISTIC": "1"}
+MODE_ENVIRONMENT = (*PINNED_KERNELS, *DETERMINISTIC_GPU)  # what a process's bits depend on beyond its inputs
 DEFAULT_THREADS = 2
 MODE_CACHE = "cpu-reproducible"  # the mode's compile caches: this folder inside each cache's own
 
@@ -69,3 +78,11 @@ def separate_compile_caches() -> None:
         cache = Path(os.environ.get(variable) or default)
         if cache.name != MODE_CACHE:
             os.environ[variable] = str(cache / MODE_CACHE)
+
+
+def make_gpu_deterministic() -> None:
+    """gpu_deterministic, in this process (before cuBLAS starts: its setting is read once) and those it starts."""
+    os.environ.update(DETERMINISTIC_GPU)
+    import torch._inductor.config as inductor_config  # its module read the variable when imported, maybe before
+
+    inductor_config.deterministic = True

@@ -5,10 +5,11 @@ dvc.lock it ran with (logged by the report stage). A detached git worktree of th
 files and an empty DVC cache, so `dvc repro` recomputes every stage; then each output's md5 is compared with
 the recorded lock, and each stage metric with the recorded run.
 
-What to expect (`expectation`): the same bytes where they can come back, i.e. the run was made on CPUs only, with
-the same torch and thread count, and either both sides pinned the CPU kernels (cpu_reproducible: any x86-64 CPU with
-AVX2 computes the same bits) or both ran on the same CPU model; otherwise (a GPU, another torch, unpinned kernels on
-another CPU) only the figures, each eval's τ inside the recorded 95% interval.
+What to expect (`expectation`): the same bytes where they can come back, i.e. the same torch and thread count, on
+CPUs only or with gpu_deterministic on both sides and the same GPU model, and either both sides pinned the CPU
+kernels (cpu_reproducible: any x86-64 CPU with AVX2 computes the same bits) or both ran on the same CPU model;
+otherwise (another torch or GPU, a GPU's kernels chosen by timing, unpinned kernels on another CPU) only the
+figures, each eval's τ inside the recorded 95% interval.
 """
 from __future__ import annotations
 
@@ -58,24 +59,33 @@ class Reproduction:
         return self.identical if self.expected.same_bytes else all(row["inside"] for row in self.taus)
 
 
-def expectation(record: PipelineRecord, here: dict, threads_here: int, pinned_here: bool) -> Expectation:
-    """Whether a reproduction on this machine (its fingerprint `here`, the thread count and kernel pinning its
-    stages will run with) should give the recorded run's bytes, from the hardware facts its stage runs recorded."""
+def expectation(record: PipelineRecord, here: dict, threads_here: int, pinned_here: bool,
+                deterministic_here: bool = False) -> Expectation:
+    """Whether a reproduction on this machine (its fingerprint `here`, the thread count, kernel pinning and GPU
+    settings its stages will run with) should give the recorded run's bytes, from the hardware facts its stage runs
+    recorded."""
     facts = {key: {stage.tags.get(f"hardware.{key}", "unknown") for stage in record.stages.values()}
-             for key in ("gpu_count", "torch", "torch_threads", "cpu_model", "cpu_kernels_pinned")}
-    if facts["gpu_count"] - {"0"}:
-        return Expectation(False, f"stages of the run used a GPU (gpu_count {sorted(facts['gpu_count'])}): GPU "
-                                  f"kernels round by card and launch, so only the figures can come back")
+             for key in ("gpu_count", "gpu_models", "gpu_deterministic", "torch", "torch_threads", "cpu_model",
+                         "cpu_kernels_pinned")}
     if facts["torch"] != {str(here["torch"])}:
         return Expectation(False, f"torch {sorted(facts['torch'])} then, {here['torch']} here: other kernels")
     if facts["torch_threads"] != {str(threads_here)}:
         return Expectation(False, f"{sorted(facts['torch_threads'])} CPU threads then, {threads_here} here: a "
                                   f"reduction split otherwise rounds otherwise")
+    gpu = ""
+    if facts["gpu_count"] - {"0"}:
+        if facts["gpu_deterministic"] != {"True"} or not deterministic_here:
+            return Expectation(False, "stages of the run used a GPU without gpu_deterministic on both sides: "
+                                      "Inductor chooses GPU kernels by timing them, so only the figures can come back")
+        if facts["gpu_models"] != {str(here["gpu_models"])}:
+            return Expectation(False, f"GPUs {sorted(facts['gpu_models'])} then, {here['gpu_models']} here: other "
+                                      f"kernels")
+        gpu = f"gpu_deterministic on both sides on {here['gpu_models']}; "
     if facts["cpu_kernels_pinned"] == {"True"} and pinned_here:
-        return Expectation(True, f"CPU kernels pinned to AVX2 (cpu_reproducible) on both sides, {threads_here} "
+        return Expectation(True, f"{gpu}CPU kernels pinned to AVX2 (cpu_reproducible) on both sides, {threads_here} "
                                  f"threads, torch {here['torch']}: any x86-64 CPU with AVX2 computes the same bits")
     if facts["cpu_model"] == {str(here["cpu_model"])}:
-        return Expectation(True, f"the same CPU model ({here['cpu_model']}), torch and threads")
+        return Expectation(True, f"{gpu}the same CPU model ({here['cpu_model']}), torch and threads")
     return Expectation(False, f"this CPU's own kernels (cpu_reproducible off) on {sorted(facts['cpu_model'])} "
                               f"then, {here['cpu_model']} here: they round otherwise")
 
@@ -117,9 +127,10 @@ def reproduce(client: MlflowClient, run_id: str, repo: Path, tracking_uri: str, 
         recorded = lock_outputs(staging / "lineage" / "dvc.lock")
         again = lock_outputs(worktree / "dvc.lock")
         params = load_yaml((worktree / "params.yaml").read_text())
-        pinned = bool(params.get("cpu_reproducible", False))  # the key's default where the run predates it
+        pinned = bool(params.get("cpu_reproducible", False))  # the keys' default where the run predates them
         expected = expectation(record, hardware.fingerprint(), mode_threads(params.get("threads")) if pinned
-                               else _threads_unpinned(params.get("threads")), pinned)
+                               else _threads_unpinned(params.get("threads")), pinned,
+                               bool(params.get("gpu_deterministic", False)))
         outputs = [{"path": path, "kind": _kind(path, params), "recorded": md5, "reproduced": again.get(path),
                     "identical": again.get(path) == md5} for path, md5 in sorted(recorded.items())]
         reproduced = read_all(worktree / "metrics")

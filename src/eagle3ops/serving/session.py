@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx2
 
 from eagle3ops.config import VllmConfig
-from eagle3ops.reproducible import PINNED_KERNELS
+from eagle3ops.reproducible import MODE_ENVIRONMENT
 from eagle3ops.serving.http import EngineError
 from eagle3ops.serving.registry import (
     ago,
@@ -108,8 +108,8 @@ class EngineSpec:
                     "seed": self.seed, "settings": shaping, "extra_args": list(settings.extra_args),
                     "drafter": served_config(self.drafter) if self.drafter else None,
                     "k": self.k if self.drafter else None, "chat_template": self.chat_template,
-                    # the CPU kernels it computes with (the reproducible mode's, inherited from the stage, or not)
-                    "cpu_kernels": {name: os.environ.get(name) for name in PINNED_KERNELS}}
+                    # the kernels it computes with (the reproducible modes', inherited from the stage, or not)
+                    "kernels": {name: os.environ.get(name) for name in MODE_ENVIRONMENT}}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 

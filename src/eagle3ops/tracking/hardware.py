@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from eagle3ops.reproducible import PINNED_KERNELS
+from eagle3ops.reproducible import DETERMINISTIC_GPU, PINNED_KERNELS
 
 UNKNOWN = "unknown"
 NOT_APPLICABLE = "n/a"
@@ -113,6 +113,7 @@ def fingerprint() -> dict[str, Value]:
         # the CPU kernels torch runs, and whether the reproducible mode pinned them (reproducible.py)
         "cpu_capability": _safe(torch.backends.cpu.get_cpu_capability),
         "cpu_kernels_pinned": _safe(lambda: str(all(os.environ.get(k) == v for k, v in PINNED_KERNELS.items()))),
+        "gpu_deterministic": _safe(lambda: str(all(os.environ.get(k) == v for k, v in DETERMINISTIC_GPU.items()))),
         "ram_gib": _safe(_ram_gib),
         "disk_free_gib": _safe(lambda: round(shutil.disk_usage(os.getcwd()).free / _GIB, 1)),
         "os": _safe(lambda: f"{platform.system()} {platform.release()}"),

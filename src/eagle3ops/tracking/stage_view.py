@@ -22,7 +22,7 @@ from eagle3ops.errors import InputError
 
 # Where and how the stages run, not what they compute: no stage declares these, and changing one re-runs nothing
 # (`dvc repro --force` or `dvc exp run --force` measures the same pipeline on other hardware).
-NOT_LINEAGE = ("threads", "cpu_reproducible", "target.device", "target.device_map", "target.max_memory", "vllm",
+NOT_LINEAGE = ("threads", "cpu_reproducible", "gpu_deterministic", "target.device", "target.device_map", "target.max_memory", "vllm",
                "hardware", "mlflow")
 
 _FULL = "_stage_view_full"  # on a view: (the whole config, the keys it may read)
