@@ -130,6 +130,15 @@ def test_the_training_variants_keys_are_checked_by_name(tmp_path, line, key):
         load_config(path)
 
 
+@pytest.mark.parametrize("args", ['["--port", "8001"]', '["--host=0.0.0.0"]', '["--max-num-seqs", "8", "--model", "x"]'])
+def test_vllm_arguments_the_stage_manages_are_refused_in_extra_args(tmp_path, args):
+    """A port of its own made vLLM ready on it while the stage polled another until vllm.ready_timeout_s."""
+    path = tmp_path / "params.yaml"
+    path.write_text(f"vllm:\n  extra_args: {args}\n")
+    with pytest.raises(ConfigError, match=r"vllm\.extra_args.*set by .*not here"):
+        load_config(path)
+
+
 def test_scratch_declares_no_warm_start_key_and_warm_start_every_train_key():
     """What dvc.yaml has each train variant depend on: scratch reads every train key but the warm start's (so a
     warm-start experiment leaves it alone; tests/test_pipeline_e2e.py checks it with `dvc status`), warm_start all."""

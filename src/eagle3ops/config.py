@@ -593,6 +593,16 @@ class PipelineConfig(Section):
     chat_template_dep: str = TEMPLATES_DIR
 
 
+# vLLM arguments the stages set themselves, and what sets them: in vllm.extra_args one would fight the managed
+# engine (a port of its own: the stage polls another one until vllm.ready_timeout_s)
+MANAGED_VLLM_ARGS = {"--model": "the target (target.path)", "--host": "the stage (loopback)",
+                     "--port": "the stage (a free port)", "--dtype": "target.dtype", "--seed": "seed",
+                     "--speculative-config": "the drafter the stage serves", "--enforce-eager": "vllm.enforce_eager",
+                     "--max-model-len": "vllm.max_model_len",
+                     "--gpu-memory-utilization": "vllm.gpu_memory_utilization",
+                     "--tensor-parallel-size": "vllm.tensor_parallel_size", "-tp": "vllm.tensor_parallel_size"}
+
+
 @dataclass
 class VllmConfig(Section):
     """How the vLLM servers the stages start run (serving/vllm.py): where no server URL is given, eval, generate
@@ -624,6 +634,10 @@ class VllmConfig(Section):
             yield "engine_idle_s", "must be 0 (a server per stage) or more"
         if self.engines_kept is not None and self.engines_kept < 1:
             yield "engines_kept", "must be at least 1 (or null: 1 with a GPU, 2 without)"
+        for arg in self.extra_args:
+            flag = str(arg).partition("=")[0]
+            if flag in MANAGED_VLLM_ARGS:
+                yield "extra_args", f"{arg!r} is set by {MANAGED_VLLM_ARGS[flag]}, not here: the stage manages it"
 
 
 @dataclass
