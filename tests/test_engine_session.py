@@ -138,9 +138,10 @@ def test_a_swapped_drafter_drafts_as_a_server_started_with_it(engines, exports, 
 
 
 def test_a_killed_engine_is_replaced(engines, exports, tiny_target_dir):
-    """The engine's server killed while a stage measures on it: the stage's next request fails, naming the server
-    (no figure from a dead engine); its supervisor sees the death and forgets the engine, and the next stage
-    starts another."""
+    """The engine's server killed while a stage measures on it: its supervisor sees the death, stops what is left
+    of the engine (its engine-core process, orphaned before) and forgets it; the stage's next request fails at
+    once, saying the engine is gone (no retries of a dead engine, no figure from it); the next stage starts
+    another."""
     with engine(spec(tiny_target_dir, exports[0]), VllmConfig(), "killed mid-eval") as served:
         (record,) = running()
         assert not served.started and record["url"] == served.url
@@ -148,12 +149,17 @@ def test_a_killed_engine_is_replaced(engines, exports, tiny_target_dir):
         (server,) = [p for p in supervisor.children() if "vllm.entrypoints" in " ".join(p.cmdline())]
         fetch_json(f"{served.url}/v1/completions", {"model": served_model(served.url), "prompt": PROMPTS[0],
                                                     "max_tokens": 4, "temperature": 0})
+        engine_core = server.children(recursive=True)
+        assert engine_core
         server.send_signal(signal.SIGKILL)
-        with pytest.raises(EngineUnavailable, match=re.escape(f"{served.url}/v1/completions: cannot reach the server")):
+        supervisor.wait(timeout=60)
+        retries = Retries()  # a stage's own: they waited about a minute for a dead engine
+        with pytest.raises(EngineUnavailable, match=re.escape(f"its vLLM engine {record['key']} is gone")):
             send("POST", f"{served.url}/v1/completions", {"model": "any", "prompt": PROMPTS[0], "max_tokens": 4},
-                 Retries(max_retries=1, backoff_s=0.1))  # a stage's own retries wait about a minute
-    supervisor.wait(timeout=30)
+                 retries)
+        assert retries.retries == 0
     assert running() == []
+    assert not [p for p in engine_core if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     with engine(spec(tiny_target_dir, exports[0]), VllmConfig(), "after the kill") as again:
         assert again.started and again.url != record["url"]
 

@@ -74,8 +74,8 @@ def test_eval_says_before_it_decodes_when_vllm_cannot_serve_the_drafter_here(tin
 def test_a_server_that_cannot_start_is_named_with_the_end_of_its_log(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "not-a-model").mkdir()
-    with pytest.raises(ServerError, match=r"vLLM exited with code \d+ before it was ready; the end of its log "
-                                          r".*vllm-broken\.log:\n"):
+    with pytest.raises(ServerError, match=r"(?s)vLLM exited with code \d+ before it was ready; the cause in vLLM's "
+                                          r"log: \w+Error: .*the end of its log .*vllm-broken\.log:\n"):
         with vllm_server(tmp_path / "not-a-model", "float32", VllmConfig(), "broken"):
             pass
     assert (tmp_path / ".eagle3ops" / "logs" / "vllm-broken.log").stat().st_size > 0  # kept for the user

@@ -19,6 +19,8 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx2
@@ -30,6 +32,26 @@ MAX_RETRIES = 6
 BACKOFF_S = 1.0  # the first retry's delay; doubles with each attempt
 BACKOFF_CAP_S = 60.0
 ENGINE_URLS = "eval.server_url, train.online_url"  # the settings that name the servers `fetch` is sent to
+
+
+# Servers whose process this one can see (started here, or an engine session's): base URL -> a check that says why
+# the server is gone, None while it runs. A failed request to one that is gone is not retried.
+_GONE_CHECKS: dict[str, Callable[[], str | None]] = {}
+
+
+@contextmanager
+def watched(url: str, gone: Callable[[], str | None]) -> Iterator[None]:
+    """Requests to `url` within the block ask `gone` before waiting for a retry."""
+    _GONE_CHECKS[url] = gone
+    try:
+        yield
+    finally:
+        _GONE_CHECKS.pop(url, None)
+
+
+def server_gone(url: str) -> str | None:
+    """Why the watched server that `url` is sent to is gone; None where it runs or is not watched."""
+    return next((why for base, check in list(_GONE_CHECKS.items()) if url.startswith(base) and (why := check())), None)
 
 
 class EngineError(InputError):
@@ -96,11 +118,15 @@ class Retries:
                 raise EngineError(f"{method} {url}: HTTP {status}: {server_message(outcome)}")
             problem = f"HTTP {status}: {server_message(outcome)}"
             asked = retry_after_s(outcome.headers.get("retry-after"))
+        gone = server_gone(url)
+        if gone:
+            raise EngineUnavailable(f"{method} {url}: {problem}; {gone}")
         if attempt == self.max_retries:
             spent = f"gave up after {attempt + 1} attempts; last: {problem}"
             if isinstance(outcome, httpx2.Response):
                 raise EngineUnavailable(f"{method} {url}: {spent}")
-            check = f"; check the URL configured ({self.url_setting})" if self.url_setting else ""
+            managed = any(url.startswith(base) for base in _GONE_CHECKS)  # the stage's own server: no setting names it
+            check = f"; check the URL configured ({self.url_setting})" if self.url_setting and not managed else ""
             raise EngineUnavailable(f"{method} {url}: cannot reach the server ({spent}){check}")
         delay = max(min(BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.0), asked or 0.0)
         print(f"{method} {url}: {problem}; retry {attempt + 1}/{self.max_retries} in {delay:.1f}s",

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx2
 
 from eagle3ops.errors import InputError
+from eagle3ops.serving.http import watched
 
 STOP_GRACE_S = 30.0  # vLLM shuts its engine processes down on SIGTERM; past this they are killed
 _PR_SET_PDEATHSIG = 1
@@ -43,6 +45,32 @@ def free_port() -> int:
 
 def die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# An exception's line as Python prints it, maybe after a prefix of the process that raised it ("(EngineCore pid=7) ")
+_EXCEPTION_LINE = re.compile(r"(?:^|[\s)\]])((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt)): (.+)$")
+# exceptions that only point elsewhere, raised after the one that says what went wrong
+_WRAPPERS = ("See root cause above", "Engine core initialization failed", "EngineDeadError", "EngineCore encountered")
+
+
+def log_cause(path: Path) -> str | None:
+    """The root cause in a server's log: the last exception it printed that is not a wrapper of an earlier one."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    causes = [f"{m[1]}: {m[2].strip()}" for line in lines if (m := _EXCEPTION_LINE.search(line))]
+    return next((cause for cause in reversed(causes) if not any(w in cause for w in _WRAPPERS)), None)
+
+
+def failure_text(name: str, log_path: Path, explain: Callable[[str], str | None] | None = None) -> str:
+    """What a failed server's log says: its root cause, the setting behind it where `explain` knows one, and the
+    log's last lines."""
+    cause = log_cause(log_path)
+    setting = explain(cause) if cause and explain else None
+    return ((f"the cause in {name}'s log: {cause}\n" if cause else "")
+            + (f"the setting behind it: {setting}\n" if setting else "")
+            + f"the end of its log {log_path}:\n{log_tail(log_path)}")
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -71,25 +99,41 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    if process.poll() is not None:
-        return
+    """SIGTERM to the server's process group (started in a session of its own: the group's id is its pid), SIGKILL
+    to whatever of it is left after `grace_s`: the whole group even where the server itself is gone already (vLLM's
+    engine core outlived a killed API server, holding its memory)."""
+    deadline = time.monotonic() + grace_s
+    signal_to_send = signal.SIGTERM
+    while _signal_group(process.pid, signal_to_send):
+        process.poll()  # reaps the server once it has exited: a zombie would keep its group alive
+        if time.monotonic() > deadline:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+            return
+        signal_to_send = 0  # only whether the group is still there
+        time.sleep(0.2)
+    process.poll()
+
+
+def _signal_group(group: int, signum: int) -> bool:
+    """Send `signum` (0: none) to the process group; False when no process of it is left."""
     try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        os.killpg(group, signum)
     except ProcessLookupError:
-        process.wait()
+        return False
+    return True
 
 
 @contextmanager
 def managed_server(name: str, argv: list[str], port: int, log_path: str | Path, ready_path: str = "/health",
                    env: dict[str, str] | None = None, ready_timeout_s: float = 600.0,
-                   cwd: str | Path | None = None) -> Iterator[str]:
+                   cwd: str | Path | None = None, explain: Callable[[str], str | None] | None = None
+                   ) -> Iterator[str]:
     """Run `argv` (a server listening on 127.0.0.1:`port`) until the block ends; yields http://127.0.0.1:PORT
     once GET `ready_path` answers 200. Its output goes to `log_path` (kept after it stops); an exit before it is
-    ready, or `ready_timeout_s` without an answer, raises ServerError with the log's last lines."""
+    ready, or `ready_timeout_s` without an answer, raises ServerError with the cause from its log (`explain`: the
+    setting behind a cause) and the log's last lines. While the block runs, a request to it that fails once the
+    server has exited is not retried (serving/http.py, `watched`)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
@@ -98,14 +142,17 @@ def managed_server(name: str, argv: list[str], port: int, log_path: str | Path, 
                                   start_new_session=True, preexec_fn=die_with_parent,
                                   env={**os.environ, **(env or {})})
         try:
-            wait_ready(name, server, f"{url}{ready_path}", log_path, ready_timeout_s)
+            wait_ready(name, server, f"{url}{ready_path}", log_path, ready_timeout_s, explain)
+            gone = (lambda: None if server.poll() is None else
+                    f"{name} exited with code {server.returncode} while serving; {failure_text(name, log_path, explain)}")
             try:
-                yield url
+                with watched(url, gone):
+                    yield url
             except Exception as err:
                 if _healthy(server, f"{url}{ready_path}"):
                     raise
-                raise ServerError(f"{err}\n{name} failed while serving; the end of its log {log_path}:\n"
-                                  f"{log_tail(log_path)}") from err
+                raise ServerError(f"{err}\n{name} failed while serving; {failure_text(name, log_path, explain)}"
+                                  ) from err
         finally:
             stop_process_group(server)
 
@@ -119,18 +166,19 @@ def _healthy(server: subprocess.Popen, health_url: str) -> bool:
         return False
 
 
-def wait_ready(name: str, server: subprocess.Popen, health_url: str, log_path: Path, timeout_s: float) -> None:
+def wait_ready(name: str, server: subprocess.Popen, health_url: str, log_path: Path, timeout_s: float,
+               explain: Callable[[str], str | None] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if server.poll() is not None:
-            raise ServerError(f"{name} exited with code {server.returncode} before it was ready; the end of its "
-                              f"log {log_path}:\n{log_tail(log_path)}")
+            raise ServerError(f"{name} exited with code {server.returncode} before it was ready; "
+                              f"{failure_text(name, log_path, explain)}")
         try:
             if httpx2.get(health_url, timeout=2.0).status_code == 200:
                 return
         except httpx2.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise ServerError(f"{name} not ready after {timeout_s:.0f} s (no answer at {health_url}); the end of its "
-                              f"log {log_path}:\n{log_tail(log_path)}")
+            raise ServerError(f"{name} not ready after {timeout_s:.0f} s (no answer at {health_url}); "
+                              f"{failure_text(name, log_path, explain)}")
         time.sleep(0.5)

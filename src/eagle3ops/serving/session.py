@@ -46,7 +46,7 @@ import httpx2
 
 from eagle3ops.config import VllmConfig
 from eagle3ops.reproducible import MODE_ENVIRONMENT
-from eagle3ops.serving.http import EngineError
+from eagle3ops.serving.http import EngineError, watched
 from eagle3ops.serving.registry import (
     ago,
     alive,
@@ -57,8 +57,8 @@ from eagle3ops.serving.registry import (
     stop_supervised,
     write_record,
 )
-from eagle3ops.serving.server import free_port, wait_ready
-from eagle3ops.serving.vllm import engines_kept, installed_version, serve_argv, serve_env, vllm_server
+from eagle3ops.serving.server import failure_text, free_port, wait_ready
+from eagle3ops.serving.vllm import engines_kept, installed_version, serve_argv, serve_env, setting_behind, vllm_server
 
 SMALL_WEIGHTS_BYTES = 8 * 2**30  # weights up to this are hashed for the key; larger ones by name, size and mtime
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
@@ -192,11 +192,24 @@ def engine(spec: EngineSpec, settings: VllmConfig, log_name: str) -> Iterator[En
                 found = True
                 print(f"vllm: engine {key} found at {record['url']} (started by {record['started_by']} "
                       f"{ago(record['started_at'])}, log {record['log']})", flush=True)
-            yield Engine(record["url"], key, not found, record["start_s"], Path(record["log"]),
-                         record.get("drafter_sha256"))
+            with watched(record["url"], lambda: _gone(record)):
+                yield Engine(record["url"], key, not found, record["start_s"], Path(record["log"]),
+                             record.get("drafter_sha256"))
         finally:
             os.utime(lock_path)
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _gone(record: dict) -> str | None:
+    """Why the engine of `record` is gone (its supervisor ends when its server does), None while it runs."""
+    pid = record.get("supervisor_pid")
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reaped here where this process started it: a zombie would look alive
+    except ChildProcessError:
+        pass
+    if alive(pid):
+        return None
+    return f"its vLLM engine {record['key']} is gone; {failure_text('vLLM', Path(record['log']), setting_behind)}"
 
 
 def _live(key: str) -> dict | None:
@@ -260,7 +273,7 @@ def _start(spec: EngineSpec, settings: VllmConfig, key: str, log_name: str) -> d
     record["supervisor_pid"] = supervisor.pid
     write_record(path, record)
     try:
-        wait_ready("vLLM", supervisor, f"{record['url']}/health", log, settings.ready_timeout_s)
+        wait_ready("vLLM", supervisor, f"{record['url']}/health", log, settings.ready_timeout_s, setting_behind)
         if not _answers_as_its_target(record):  # another server took the port between our pick and vLLM's bind
             raise EngineError(f"vllm: engine {key}: port {port} answers as another server, not {model}: it was "
                               f"taken while the engine started (log {log}); run the stage again")

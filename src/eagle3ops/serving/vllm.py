@@ -207,5 +207,22 @@ def vllm_server(model: str | Path, dtype: str, settings: VllmConfig, log_name: s
         template.write_text(chat_template, encoding="utf-8")
         argv += ["--chat-template", str(template)]
     with managed_server("vLLM", argv, port, log, env=serve_env(settings), ready_timeout_s=settings.ready_timeout_s,
-                        cwd=cwd) as url:
+                        cwd=cwd, explain=setting_behind) as url:
         yield url
+
+
+# The params behind causes a vLLM log names: (words in the cause, lower case; the setting)
+_SETTINGS_BEHIND = ((("kv cache", "kv_cache", "kvcache", "cache blocks", "can't allocate memory", "cannot allocate memory"),
+                     "vllm.kv_cache_gib (on a CPU) or vllm.gpu_memory_utilization (on a GPU)"),
+                    (("cuda out of memory", "gpu_memory_utilization", "memory utilization"),
+                     "vllm.gpu_memory_utilization"),
+                    (("max_model_len", "max-model-len", "max_position_embeddings", "model length"),
+                     "vllm.max_model_len"),
+                    (("tensor_parallel", "tensor parallel"), "vllm.tensor_parallel_size"),
+                    (("unrecognized arguments", "error: argument", "invalid choice"), "vllm.extra_args"))
+
+
+def setting_behind(cause: str) -> str | None:
+    """The params key whose value a vLLM failure (the cause in its log) most likely comes from; None if unknown."""
+    lowered = cause.lower()
+    return next((setting for words, setting in _SETTINGS_BEHIND if any(w in lowered for w in words)), None)
