@@ -421,3 +421,49 @@ def test_the_descriptions_table_cells_are_padded():
         "|&nbsp;baseline&nbsp;|&nbsp;1.107&nbsp;|\n")
     long = table + "| warm_start | 1.107 |\n" * 300  # padded, past MLflow's 8,000 characters: as it is
     assert described_in_mlflow(long, "abc123") == long
+
+
+@pytest.mark.processes
+def test_a_drafter_edited_through_its_cache_link_is_refused_before_anything_is_recorded(tmp_path: Path) -> None:
+    """With the project's cache.type a tracked output is a hardlink of DVC's cache object: flipping bytes in it
+    changed the only cached copy, and `eagle3ops eval` measured and recorded the edited weights as the drafter's.
+    A stage holds what it reads to the md5s dvc.lock and DVC's listing record; a one-off run is marked instead.
+    Starts `git init`, `dvc init` and `dvc add` (a few seconds)."""
+    from eagle3ops.errors import InputError
+    from eagle3ops.tracking.lineage import changed_inputs, input_md5s
+    from eagle3ops.tracking.run import ONE_OFF
+
+    drafter = tmp_path / "models" / "drafters" / "scratch"
+    drafter.mkdir(parents=True)
+    (drafter / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (drafter / "config.json").write_text("{}")
+    for command in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "config", "cache.type", "hardlink,symlink,copy"],
+                    ["dvc", "add", "-q", "models/drafters/scratch"]):
+        subprocess.run(command, cwd=tmp_path, check=True, capture_output=True)
+    md5 = (tmp_path / "models" / "drafters" / "scratch.dvc").read_text().split("md5: ")[1].split()[0]
+    (tmp_path / "dvc.lock").write_text(f"schema: '2.0'\nstages:\n  train@scratch:\n    cmd: eagle3ops train scratch\n"
+                                       f"    outs:\n    - path: models/drafters/scratch\n      md5: {md5}\n")
+    inputs = ["models/drafters/scratch"]
+    assert changed_inputs(input_md5s(inputs, tmp_path), tmp_path) == []
+    weights = drafter / "model.safetensors"
+    weights.chmod(0o644)  # what root never needed
+    with weights.open("r+b") as handle:  # in place: through the hardlink into the cache
+        handle.seek(100)
+        handle.write(b"\xff" * 16)
+    assert changed_inputs(input_md5s(inputs, tmp_path), tmp_path) == [
+        "models/drafters/scratch/model.safetensors: its bytes are not the ones dvc.lock records "
+        f"(md5 {json.loads((tmp_path / '.dvc' / 'cache' / 'files' / 'md5' / md5[:2] / md5[2:]).read_text())[1]['md5']})"]
+    cfg = Config()
+    with pytest.raises(InputError, match=r"(?s)eval@scratch reads bytes that dvc.lock does not record:.*"
+                                         r"model\.safetensors.*dvc repro --force -s train@scratch.*nothing was measured"):
+        with stage_run(cfg, "eval", "scratch", inputs=inputs):
+            pytest.fail("the stage ran")
+    assert not (tmp_path / "mlflow.db").exists() or not client(cfg).search_runs(
+        [e.experiment_id for e in client(cfg).search_experiments()])
+    token = ONE_OFF.set("--set eval.k=2")
+    try:
+        with stage_run(cfg, "eval", "scratch", inputs=inputs) as one_off:
+            pass
+    finally:
+        ONE_OFF.reset(token)
+    assert "model.safetensors" in get_run(cfg, one_off.run_id).data.tags["eagle3ops.inputs_unrecorded"]

@@ -194,6 +194,53 @@ def input_md5s(inputs: Sequence[str | Path], root: Path) -> dict[str, str]:
     return {path: recorded[path] for path in wanted if path in recorded}
 
 
+CHECKED_INPUT_BYTES = 16 * 2**30  # inputs up to this are held to dvc.lock; hidden-state shards (larger) carry sha256s
+
+
+def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
+    """Inputs (`input_md5s`: path -> the md5 dvc.lock records) whose bytes are not the recorded ones, each as
+    "path: what differs": an edit in place, or a DVC cache object changed through its hardlink (the workspace file
+    *is* the cache's). A directory is compared file by file with the listing DVC keeps in its cache (where the cache
+    no longer has it, only files are checked); inputs over CHECKED_INPUT_BYTES are left to DVC."""
+    changed = []
+    for path, md5 in md5s.items():
+        target = root / path
+        files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())
+        if sum(p.stat().st_size for p in files) > CHECKED_INPUT_BYTES:
+            continue
+        if not md5.endswith(".dir"):
+            if target.is_file() and _md5(target) != md5:
+                changed.append(f"{path}: md5 {_md5(target)}, dvc.lock records {md5}")
+            continue
+        listing = _dvc_cache_dir(root) / md5[:2] / md5[2:]
+        if not listing.is_file():
+            continue
+        recorded = {entry["relpath"]: entry["md5"] for entry in json.loads(listing.read_text(encoding="utf-8"))}
+        present = {p.relative_to(target).as_posix(): p for p in files}
+        for name in sorted(recorded.keys() | present.keys()):
+            if name not in present or name not in recorded:
+                changed.append(f"{path}/{name}: {'missing' if name not in present else 'not in the recorded output'}")
+            elif _md5(present[name]) != recorded[name]:
+                changed.append(f"{path}/{name}: its bytes are not the ones dvc.lock records (md5 {recorded[name]})")
+    return changed
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _dvc_cache_dir(root: Path) -> Path:
+    """DVC's local cache of md5-addressed files (`cache.dir` where set, e.g. by `eagle3ops reproduce`)."""
+    from dvc.repo import Repo  # a second's import, only for a stage that reads a directory DVC tracks
+
+    with Repo(str(root)) as repo:
+        return Path(repo.cache.local.path)
+
+
 LOCK_HASH_TAG = "eagle3ops.lock_hash"
 
 

@@ -28,12 +28,15 @@ from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric
 
 from eagle3ops.config import Config
+from eagle3ops.errors import InputError
 from eagle3ops.tracking import hardware, stage_view
 from eagle3ops.tracking.lineage import (
+    changed_inputs,
     git_state,
     input_md5s,
     link_cached_stages,
     load_yaml,
+    lock_stages,
     stamp_finished_stages,
     tag_experiment_commits,
 )
@@ -272,6 +275,19 @@ class StageRun:
             self.outbox.artifact(path, artifact_path or (path.name if path.is_dir() else None))
 
 
+def unrecorded_inputs(dvc_stage: str, changed: list[str], root: Path) -> str:
+    """What to say of inputs whose bytes dvc.lock does not record (lineage.changed_inputs)."""
+    producers = sorted({name for name, entry in lock_stages(root / "dvc.lock").items()
+                        for out in entry.get("outs") or []
+                        if any(item.startswith(f"{out.get('path')}/") or item.startswith(f"{out.get('path')}:")
+                               for item in changed)})
+    rerun = " ".join(f"-s {name}" for name in producers) or "-s <the stage that writes it>"
+    return (f"{dvc_stage} reads bytes that dvc.lock does not record:\n  " + "\n  ".join(changed[:8])
+            + (f"\n  ... and {len(changed) - 8} more" if len(changed) > 8 else "")
+            + f"\nAn output edited in place changes DVC's cached copy too (the workspace file is a hardlink of it, "
+              f"docs/team.md). Make it again with `dvc repro --force {rerun}`")
+
+
 @contextmanager
 def stage_run(
     cfg: Config, stage: str, variant: str | None = None, inputs: Sequence[str | Path] = (),
@@ -296,6 +312,9 @@ def stage_run(
     # used only when the parent is created
     name = exp_name or f"{'one-off' if ONE_OFF.get() else 'pipeline'} {time.strftime('%Y-%m-%d %H:%M:%S')}"
     md5s = input_md5s(inputs, root)
+    changed = changed_inputs(md5s, root)
+    if changed and not ONE_OFF.get():
+        raise InputError(f"{unrecorded_inputs(dvc_stage, changed, root)}; nothing was measured or recorded")
     fp = hardware.fingerprint()
     tags = {
         **shared,
@@ -307,7 +326,11 @@ def stage_run(
         "hardware.label": hardware.label(fp, cfg.hardware.label),
         **{f"hardware.{name}": str(fp[name]) for name in HARDWARE_TAGS},  # the rest: hardware.json
         **{_tag_key(f"dvc.input.{path}"): md5 for path, md5 in md5s.items()},
+        **({"eagle3ops.inputs_unrecorded": "; ".join(changed)[:5000]} if changed else {}),
     }
+    if changed:  # a one-off: measured, and marked as made from bytes the lineage did not make
+        print(f"eagle3ops {dvc_stage}: warning: {unrecorded_inputs(dvc_stage, changed, root)}; this one-off run is "
+              f"tagged eagle3ops.inputs_unrecorded", file=sys.stderr, flush=True)
     # What the stage's results depend on: the params it declares (not where it ran), and the target's identity
     params = {**{key: _param_text(value) for key, value in stage_view.stage_params(cfg).items()
                  if not stage_view.covered(key, stage_view.NOT_LINEAGE)},
