@@ -98,3 +98,41 @@ def running(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# A stage's process as `eagle3ops <stage>` sets itself up, started by a parent that stands in for `dvc repro`;
+# prints its pid, then works until stopped, noting on its way out that its `finally` ran.
+STAGE = """
+import sys, time
+from eagle3ops.serving.server import end_with_parent
+end_with_parent()
+try:
+    print("started", flush=True)
+    time.sleep(120)
+finally:
+    open(sys.argv[1], "w").write("unwound")
+"""
+DVC = """
+import subprocess, sys
+stage = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+print(stage.pid, stage.stdout.readline().strip(), flush=True)
+import time; time.sleep(120)
+"""
+
+
+def test_a_stage_ends_when_the_dvc_that_started_it_ends(tmp_path):
+    """SIGTERM to `dvc repro` ended dvc at once while its stage went on under PID 1 and recorded FINISHED; now the
+    stage gets SIGTERM when its parent dies and unwinds (its tracking run is left FAILED, its servers stopped)."""
+    marker = tmp_path / "unwound"
+    dvc = subprocess.Popen([sys.executable, "-c", DVC, STAGE, str(marker)], stdout=subprocess.PIPE, text=True)
+    pid, state = dvc.stdout.readline().split()
+    assert state == "started"
+    os.kill(dvc.pid, signal.SIGKILL)  # the harshest end of the parent: no chance to pass anything on
+    dvc.wait()
+    deadline = time.monotonic() + 15
+    while running(int(pid)):
+        if time.monotonic() > deadline:
+            os.kill(int(pid), signal.SIGKILL)
+            pytest.fail("the stage outlived the process that started it")
+        time.sleep(0.1)
+    assert marker.read_text() == "unwound"

@@ -784,12 +784,14 @@ def _put_back_outputs(name: str) -> None:
 
 def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> None:
     """The config as the stage's dvc.yaml entry lets it read it, then the stage module's `run`."""
+    from eagle3ops.serving.server import end_with_parent
     from eagle3ops.tracking.lineage import declared_params
     from eagle3ops.tracking.metrics import ONE_OFF_DIR
     from eagle3ops.tracking.run import ONE_OFF
     from eagle3ops.tracking.stage_view import for_stage
     from eagle3ops.tracking.store import project_root
 
+    end_with_parent()
     cfg = load_config(args.params, args.overrides)
     declared = declared_params(project_root(), name, Path(args.params).name)
     if declared is not None:  # a stage of this project's dvc.yaml: it reads only what that declares

@@ -90,7 +90,7 @@ def expectation(record: PipelineRecord, here: dict, threads_here: int, pinned_he
                               f"then, {here['cpu_model']} here: they round otherwise")
 
 
-def _kind(path: str, params: dict) -> str:
+def output_kind(path: str, params: dict) -> str:
     """timing: holds wall times; checkout: names the checkout's own paths (the serving guide); else result."""
     report_dir = (params.get("report") or {}).get("out_dir", "reports")
     if path == str(HEADLINE) or path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}")):
@@ -131,7 +131,7 @@ def reproduce(client: MlflowClient, run_id: str, repo: Path, tracking_uri: str, 
         expected = expectation(record, hardware.fingerprint(), mode_threads(params.get("threads")) if pinned
                                else _threads_unpinned(params.get("threads")), pinned,
                                bool(params.get("gpu_deterministic", False)))
-        outputs = [{"path": path, "kind": _kind(path, params), "recorded": md5, "reproduced": again.get(path),
+        outputs = [{"path": path, "kind": output_kind(path, params), "recorded": md5, "reproduced": again.get(path),
                     "identical": again.get(path) == md5} for path, md5 in sorted(recorded.items())]
         reproduced = read_all(worktree / "metrics")
         metrics, taus = _metric_moves(record, reproduced), _taus(record, reproduced)

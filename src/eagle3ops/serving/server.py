@@ -47,6 +47,20 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def end_with_parent() -> None:
+    """This process ends, unwinding (its `finally` blocks run: a tracking run is left FAILED, servers stopped), when
+    SIGTERM comes or the process that started it dies: `dvc repro` stopped by a scheduler exited at once while its
+    stage, reparented to PID 1, went on and was recorded FINISHED for outputs DVC never took."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    parent = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # died before the request took effect
+        raise SystemExit(128 + signal.SIGTERM)
+
+
 # An exception's line as Python prints it, maybe after a prefix of the process that raised it ("(EngineCore pid=7) ")
 _EXCEPTION_LINE = re.compile(r"(?:^|[\s)\]])((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt)): (.+)$")
 # exceptions that only point elsewhere, raised after the one that says what went wrong
