@@ -110,10 +110,20 @@ def test_short_max_positions_warns(tmp_path, tiny_target_dir):
 
 def test_cli_says_when_vllm_cannot_serve_a_head_size_on_this_cpu(tmp_path, tiny_target_dir, capsys):
     assert main(["check-compat", str(tiny_target_dir), str(make_drafter(tmp_path / "d"))]) == 0
-    assert "[  ok] serving: vLLM serves its head size (32) and the target's on this machine" in capsys.readouterr().out
-    assert main(["check-compat", str(tiny_target_dir), str(make_drafter(tmp_path / "d2", heads=2))]) == 0  # a GPU does
-    assert ("[WARN] serving: the drafter's head size is 16: vLLM cannot serve it on this machine (no GPU"
+    assert ("[  ok] serving: vLLM serves its head size (32), the target's and its length on this machine"
             in capsys.readouterr().out)
+    assert main(["check-compat", str(tiny_target_dir), str(make_drafter(tmp_path / "d2", heads=2))]) == 0  # a GPU does
+    assert (f"[WARN] serving: {tmp_path / 'd2'}: the drafter's head size is 16: vLLM cannot serve it on this machine "
+            f"(no GPU" in capsys.readouterr().out)
+
+
+def test_cli_fails_a_drafter_too_short_to_serve_as_validate_export_does(tmp_path, tiny_target_dir, capsys):
+    """check-compat said "compatible" (exit 0) for a drafter whose max_position_embeddings is below the serving
+    length, which validate-export fails: vLLM stops drafting past it. The same rule, the same finding."""
+    assert main(["check-compat", str(tiny_target_dir), str(make_drafter(tmp_path / "d", max_positions=128))]) == 5
+    out = capsys.readouterr().out
+    assert "[FAIL] serving:" in out and "max_position_embeddings 128 is below the serving length" in out, out
+    assert "verdict: incompatible" in out
 
 
 def test_cli_exit_codes_and_json(tmp_path, tiny_target_dir, capsys):

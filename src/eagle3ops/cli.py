@@ -373,16 +373,21 @@ def _check_compat_arguments(compat: argparse.ArgumentParser) -> None:
 
 
 def _serving_findings(report, target: str) -> None:
-    """Whether vLLM serves the drafter with the target on this machine (check-compat's `serving` finding)."""
+    """Whether vLLM serves the drafter with the target on this machine (check-compat's `serving` finding): the
+    rules validate-export holds an export to, errors incompatible."""
+    from eagle3ops.config import VllmConfig
+    from eagle3ops.formats.validate import check_engine_limits
     from eagle3ops.modeling.target import text_config
-    from eagle3ops.serving.vllm import cpu_head_size_problems
 
-    head_dim = report.drafter_head_dim
-    problems = cpu_head_size_problems(text_config(target), head_dim)
-    for problem in problems:
+    errors, warnings = [], []
+    check_engine_limits(errors, warnings, report.draft_config, text_config(target), VllmConfig(), report.drafter)
+    for problem in errors:
+        report.add("serving", "incompatible", problem)
+    for problem in warnings:
         report.add("serving", "warning", problem)
-    if not problems:
-        report.add("serving", "ok", f"vLLM serves its head size ({head_dim}) and the target's on this machine")
+    if not errors and not warnings:
+        report.add("serving", "ok", f"vLLM serves its head size ({report.draft_config.head_dim}), the target's and "
+                                    f"its length on this machine")
 
 
 def _check_compat(args) -> int:

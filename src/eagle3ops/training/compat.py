@@ -50,7 +50,7 @@ class CompatReport:
     findings: list[Finding] = field(default_factory=list)
     draft_vocab_coverage: float | None = None  # share of the new data's loss-masked tokens the drafter can express
     best_coverage: float | None = None  # what a draft vocabulary of the same size built from that data would reach
-    drafter_head_dim: int | None = None
+    draft_config: DraftConfig | None = None  # the drafter's, for the serving checks made beside these
 
     @property
     def verdict(self) -> str:
@@ -80,7 +80,7 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
     target = text_config(target_dir)
     checkpoint = read_drafter(drafter_dir)  # any layout eagle3ops reads
     cfg = checkpoint.cfg
-    report = CompatReport(str(target_dir), str(drafter_dir), drafter_head_dim=cfg.head_dim)
+    report = CompatReport(str(target_dir), str(drafter_dir), draft_config=cfg)
     _vocabulary(report, cfg, target)
     _hidden_size(report, cfg, target)
     _layers(report, cfg, target, aux_layers)
