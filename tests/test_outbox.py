@@ -461,3 +461,32 @@ def test_a_full_disk_while_an_artifact_is_copied_into_the_outbox_is_one_line(tmp
         box.artifact(tmp_path / "hardware.json", None)
     assert not [p for p in box.dir.rglob("hardware.json")]  # the partial copy removed
     assert json.loads((box.dir / "run.json").read_text())["artifacts"] == []
+
+
+def test_a_server_that_did_not_answer_is_not_asked_again_in_the_same_pipeline_run(tmp_path, monkeypatch, capsys):
+    """A server that accepts and never answers cost each stage a minute of timeouts before the outbox took over:
+    the first stage of a pipeline run notes it, the later ones go straight to the outbox; another pipeline run
+    (other params) asks again."""
+    isolate(monkeypatch, tmp_path, f"http://127.0.0.1:{free_port()}")  # nobody listens
+    cfg = quiet_config()
+    with stage_run(cfg, "prepare"):
+        pass
+    assert "MLflow unreachable" in capsys.readouterr().err
+    def asked(*args, **kwargs):
+        raise AssertionError("the server was asked again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("eagle3ops.tracking.run.find_or_create_experiment", asked)
+        with stage_run(cfg, "eval", variant="scratch") as later:
+            later.log_metrics({"tau": 3.25})
+    err = capsys.readouterr().err
+    assert "did not answer an earlier stage of this pipeline run" in err and later.outbox is not None
+    cfg.seed = 1  # another pipeline run
+    with stage_run(cfg, "prepare"):
+        pass
+    assert "did not answer an earlier stage" not in capsys.readouterr().err
+    assert len(pending(tmp_path)) == 3
+    from eagle3ops.reporting.summary import markdown
+
+    summary = markdown({}, "http://tracking.example:5000", offline=True)
+    assert "http://tracking.example:5000 did not answer this pipeline run" in summary and "open http" not in summary

@@ -391,7 +391,8 @@ def _elsewhere(metrics: dict[str, dict]) -> str | None:
             f"{where} (set hardware.label to the same label, or `dvc repro -f -s target_speed` here).")
 
 
-def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None) -> str:
+def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | None = None,
+             offline: bool = False) -> str:
     acceptance = acceptance_table(metrics)
     timings = timing_table(metrics)
     lines = ["# eagle3ops report", "", "## Acceptance on held-out prompts", "",
@@ -410,5 +411,7 @@ def markdown(metrics: dict[str, dict], tracking_uri: str, experiment_id: str | N
              f"![tau by set]({TAU_BY_SET_PNG})", "",
              *_served_section(metrics),
              "## Stage timings", "", markdown_table(timings, ".1f"), "",
-             f"MLflow runs: {mlflow_ui_hint(tracking_uri, experiment_id)}", ""]
+             f"MLflow runs: {mlflow_ui_hint(tracking_uri, experiment_id)}" if not offline else
+             f"MLflow runs: {tracking_uri} did not answer this pipeline run; its records wait in the outbox "
+             f"(`eagle3ops sync` uploads them once it answers)", ""]
     return "\n".join(lines)

@@ -35,7 +35,8 @@ def run(cfg: Config) -> None:
         metrics = read_metrics([*(stage for stage in STAGES if stage != "extract" or cfg.pipeline.extract), "export"])
         histories = {init: pd.read_csv(PLOTS_DIR / f"train-{init}.csv") for init in TrainInit
                      if (PLOTS_DIR / f"train-{init}.csv").is_file()}
-        text = markdown(metrics, shown_uri(tracking_uri(cfg), project_root()), tracked.experiment_id)
+        text = markdown(metrics, shown_uri(tracking_uri(cfg), project_root()), tracked.experiment_id,
+                        offline=tracked.outbox is not None)
         out_dir = destination(tracked, Path(cfg.report.out_dir))
         with atomic_dir(out_dir) as out:
             (out / "summary.md").write_text(text)

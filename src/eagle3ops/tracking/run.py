@@ -46,15 +46,19 @@ from eagle3ops.tracking.store import (
     PIPELINE_KEY_TAG,
     ROLE_TAG,
     UNREACHABLE,
+    TrackingUnanswered,
     credentials_refused,
     default_uri,
     find_or_create_experiment,
     find_or_create_parent_run,
     log_pipeline_run,
+    note_unanswered,
     project_root,
     scrub,
+    shown_uri,
     store_root,
     tracking_uri,
+    unanswered,
 )
 
 # MLflow 3.17 accepts 6000 characters, older tracking servers 500; the config's values are far shorter anyway.
@@ -341,7 +345,11 @@ def stage_run(
 
     handle = StageRun(None, None, start, None, None, root, record)
     hardware_logged = False
+    earlier = unanswered(store_root(root), uri, key)
     try:
+        if earlier:
+            raise TrackingUnanswered(f"{shown_uri(uri, root)} did not answer an earlier stage of this pipeline run "
+                                     f"({earlier}): not asked again")
         mlflow.set_tracking_uri(uri)
         client = MlflowClient(uri)
         # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
@@ -359,7 +367,9 @@ def stage_run(
         mlflow.log_dict(fp, "hardware.json")
         hardware_logged = True
         _log_inputs(client, active.info.run_id, md5s)
-    except UNREACHABLE as err:
+    except (*UNREACHABLE, TrackingUnanswered) as err:
+        if not earlier and not credentials_refused(err):
+            note_unanswered(store_root(root), uri, key, err)
         handle.go_offline(err)
         if not hardware_logged:
             handle.outbox.document("hardware.json", fp)

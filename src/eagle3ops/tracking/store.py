@@ -220,6 +220,33 @@ def log_pipeline_run(client: MlflowClient, parent_id: str, metrics: dict[str, fl
         client.set_tag(parent_id, tag, value)
 
 
+# A tracking server that did not answer a stage of a pipeline run, so that its later stages go straight to the outbox
+# (each would spend a minute of timeouts) and the report says so: {"uri", "pipeline_key", "error"}, in the store root
+UNANSWERED = Path(".eagle3ops") / "tracking-unanswered.json"
+
+
+class TrackingUnanswered(Exception):
+    """The tracking server did not answer an earlier stage of this pipeline run."""
+
+
+def unanswered(root: Path, uri: str, pipeline_key: str) -> str | None:
+    """What the server `uri` answered an earlier stage of the pipeline run `pipeline_key` (None if it did)."""
+    try:
+        noted = json.loads((root / UNANSWERED).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if noted.get("uri") == uri and noted.get("pipeline_key") == pipeline_key:
+        return str(noted.get("error"))
+    return None
+
+
+def note_unanswered(root: Path, uri: str, pipeline_key: str, error: BaseException) -> None:
+    path = root / UNANSWERED
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"uri": uri, "pipeline_key": pipeline_key,
+                                "error": f"{type(error).__name__}: {str(error)[:300]}"}), encoding="utf-8")
+
+
 def credentials_refused(error: BaseException) -> bool:
     """Whether the server answered 401/403, read from MLflow's error code: the message text is no guide, since a
     refused connection names the port (which may well contain "401")."""
