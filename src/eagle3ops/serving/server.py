@@ -54,6 +54,8 @@ def end_with_parent() -> None:
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
+    if threading.current_thread() is not threading.main_thread():  # a stage run inside another program's thread
+        return
     signal.signal(signal.SIGTERM, stop)
     parent = os.getppid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
