@@ -4,6 +4,7 @@ to the runs that produced their outputs, experiments tagged with their result co
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -212,8 +213,9 @@ def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
             if target.is_file() and _md5(target) != md5:
                 changed.append(f"{path}: md5 {_md5(target)}, dvc.lock records {md5}")
             continue
-        listing = _dvc_cache_dir(root) / md5[:2] / md5[2:]
-        if not listing.is_file():
+        cache = _dvc_cache_dir(root)
+        listing = cache / md5[:2] / md5[2:] if cache else None
+        if listing is None or not listing.is_file():
             continue
         recorded = {entry["relpath"]: entry["md5"] for entry in json.loads(listing.read_text(encoding="utf-8"))}
         present = {p.relative_to(target).as_posix(): p for p in files}
@@ -233,12 +235,18 @@ def _md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _dvc_cache_dir(root: Path) -> Path:
-    """DVC's local cache of md5-addressed files (`cache.dir` where set, e.g. by `eagle3ops reproduce`)."""
-    from dvc.repo import Repo  # a second's import, only for a stage that reads a directory DVC tracks
+@functools.cache
+def _dvc_cache_dir(root: Path) -> Path | None:
+    """DVC's local cache of md5-addressed files (`cache.dir` where set, e.g. by `eagle3ops reproduce`); None outside
+    a DVC repository."""
+    from dvc.exceptions import NotDvcRepoError  # a second's import, only for a stage reading a directory DVC tracks
+    from dvc.repo import Repo
 
-    with Repo(str(root)) as repo:
-        return Path(repo.cache.local.path)
+    try:
+        with Repo(str(root)) as repo:
+            return Path(repo.cache.local.path)
+    except NotDvcRepoError:
+        return None
 
 
 LOCK_HASH_TAG = "eagle3ops.lock_hash"

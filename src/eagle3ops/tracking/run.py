@@ -347,10 +347,10 @@ def stage_run(
     hardware_logged = False
     earlier = unanswered(store_root(root), uri, key)
     try:
+        mlflow.set_tracking_uri(uri)
         if earlier:
             raise TrackingUnanswered(f"{shown_uri(uri, root)} did not answer an earlier stage of this pipeline run "
                                      f"({earlier}): not asked again")
-        mlflow.set_tracking_uri(uri)
         client = MlflowClient(uri)
         # Our own default store keeps artifacts beside mlflow.db, whatever directory the stage happens to run in.
         artifacts = (store_root(root) / "mlruns").as_uri() if uri == default_uri(root) else None
