@@ -454,7 +454,7 @@ def test_a_drafter_edited_through_its_cache_link_is_refused_before_anything_is_r
         "models/drafters/scratch/model.safetensors: its bytes are not the ones dvc.lock records "
         f"(md5 {json.loads((tmp_path / '.dvc' / 'cache' / 'files' / 'md5' / md5[:2] / md5[2:]).read_text())[1]['md5']})"]
     cfg = Config()
-    with pytest.raises(InputError, match=r"(?s)eval@scratch reads bytes that dvc.lock does not record:.*"
+    with pytest.raises(InputError, match=r"(?s)inputs of eval@scratch are not the bytes dvc.lock records:.*"
                                          r"model\.safetensors.*dvc repro --force -s train@scratch.*nothing was measured"):
         with stage_run(cfg, "eval", "scratch", inputs=inputs):
             pytest.fail("the stage ran")

@@ -286,7 +286,7 @@ def unrecorded_inputs(dvc_stage: str, changed: list[str], root: Path) -> str:
                         if any(item.startswith(f"{out.get('path')}/") or item.startswith(f"{out.get('path')}:")
                                for item in changed)})
     rerun = " ".join(f"-s {name}" for name in producers) or "-s <the stage that writes it>"
-    return (f"{dvc_stage} reads bytes that dvc.lock does not record:\n  " + "\n  ".join(changed[:8])
+    return (f"inputs of {dvc_stage} are not the bytes dvc.lock records:\n  " + "\n  ".join(changed[:8])
             + (f"\n  ... and {len(changed) - 8} more" if len(changed) > 8 else "")
             + f"\nAn output edited in place changes DVC's cached copy too (the workspace file is a hardlink of it, "
               f"docs/team.md). Make it again with `dvc repro --force {rerun}`")
