@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx2
+import psutil
 
 from eagle3ops.errors import InputError
 from eagle3ops.serving.http import watched
@@ -116,28 +117,38 @@ def _sigterm_raises() -> Iterator[None]:
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to the server's process group (started in a session of its own: the group's id is its pid), SIGKILL
-    to whatever of it is left after `grace_s`: the whole group even where the server itself is gone already (vLLM's
-    engine core outlived a killed API server, holding its memory)."""
+    to whatever of it still runs after `grace_s`: the whole group even where the server itself is gone already
+    (vLLM's engine core outlived a killed API server, holding its memory)."""
     deadline = time.monotonic() + grace_s
-    signal_to_send = signal.SIGTERM
-    while _signal_group(process.pid, signal_to_send):
-        process.poll()  # reaps the server once it has exited: a zombie would keep its group alive
+    _signal_group(process.pid, signal.SIGTERM)
+    while True:
+        process.poll()  # reaps the server once it has exited
+        if not _group_running(process.pid):
+            return
         if time.monotonic() > deadline:
             _signal_group(process.pid, signal.SIGKILL)
             process.wait()
             return
-        signal_to_send = 0  # only whether the group is still there
         time.sleep(0.2)
-    process.poll()
 
 
-def _signal_group(group: int, signum: int) -> bool:
-    """Send `signum` (0: none) to the process group; False when no process of it is left."""
+def _signal_group(group: int, signum: int) -> None:
     try:
         os.killpg(group, signum)
     except ProcessLookupError:
-        return False
-    return True
+        pass
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of the group runs: zombies left to whoever adopted them (a container's PID 1 may never
+    reap them) do not count."""
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == group and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
 
 
 @contextmanager
