@@ -6,7 +6,8 @@ from eagle3ops.tracking.hardware import fingerprint, label
 
 KEYS = {
     "accelerator", "gpu_count", "gpu_models", "gpu_memory_gib", "gpu_link", "cpu_model", "cpu_logical_cores",
-    "cpu_usable_cores", "torch_threads", "cpu_capability", "cpu_kernels_pinned", "ram_gib", "disk_free_gib",
+    "cpu_usable_cores", "torch_threads", "cpu_capability", "cpu_kernels_pinned", "gpu_deterministic", "ram_gib",
+    "disk_free_gib",
     "disk_total_gib", "os", "python", "torch", "cuda", "driver", "transformers", "dvc", "mlflow",
 }
 

@@ -56,7 +56,11 @@ def _copy(source: Path, destination: Path) -> None:
 
 class Outbox:
     def __init__(self, root: Path, record: dict):
-        self.dir = root / OUTBOX_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        # named in the order the runs began, to the microsecond: sync uploads a drafter's train run before its eval
+        # (which logs to the train run's model), even where both went to the outbox within one second
+        now = time.time()
+        self.dir = (root / OUTBOX_DIR /
+                    f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:8]}")
         self.dir.mkdir(parents=True)
         self.record = {**record, "metrics": [], "artifacts": [], "model": None, "register": None, "status": "RUNNING", "late_tags": {},
                        "pipeline": None}

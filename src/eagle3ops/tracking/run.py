@@ -66,7 +66,7 @@ MAX_PARAM_CHARS = 500
 # The hardware facts a runs table filters and groups by, and those that decide a CPU run's bits (`reproduce` reads
 # them: runs/reproduce.py, expectation); every fact is in the run's hardware.json
 HARDWARE_TAGS = ("accelerator", "gpu_count", "gpu_models", "cpu_usable_cores", "cpu_model", "torch", "torch_threads",
-                 "cpu_capability", "cpu_kernels_pinned")
+                 "cpu_capability", "cpu_kernels_pinned", "gpu_deterministic")
 LOAD_METRIC = "machine/load_per_core"  # 1-minute load average per usable core as the stage ended
 # Why a stage run is a one-off (`--set train.lr=1e-3`, `--params other.yaml`), set by the CLI; None: the pipeline's
 # run. A one-off run is recorded, tagged eagle3ops.one_off, but leaves the pipeline's metrics and the champion alone.
