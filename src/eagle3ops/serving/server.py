@@ -48,16 +48,17 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def end_with_parent() -> None:
     """This process ends, unwinding (its `finally` blocks run: a tracking run is left FAILED, servers stopped), when
     SIGTERM comes or the process that started it dies: `dvc repro` stopped by a scheduler exited at once while its
     stage, reparented to PID 1, went on and was recorded FINISHED for outputs DVC never took."""
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
     if threading.current_thread() is not threading.main_thread():  # a stage run inside another program's thread
         return
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     parent = os.getppid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # died before the request took effect
@@ -104,11 +105,7 @@ def _sigterm_raises() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         yield
     finally:

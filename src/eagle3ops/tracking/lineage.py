@@ -210,8 +210,8 @@ def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
         if sum(p.stat().st_size for p in files) > CHECKED_INPUT_BYTES:
             continue
         if not md5.endswith(".dir"):
-            if target.is_file() and _md5(target) != md5:
-                changed.append(f"{path}: md5 {_md5(target)}, dvc.lock records {md5}")
+            if target.is_file() and (found := _md5(target)) != md5:
+                changed.append(f"{path}: md5 {found}, dvc.lock records {md5}")
             continue
         cache = _dvc_cache_dir(root)
         listing = cache / md5[:2] / md5[2:] if cache else None
@@ -228,11 +228,8 @@ def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
 
 
 def _md5(path: Path) -> str:
-    digest = hashlib.md5()
     with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "md5").hexdigest()
 
 
 @functools.cache
