@@ -79,7 +79,8 @@ print(torch.backends.cpu.get_cpu_capability())
 def test_a_pinned_process_never_loads_a_graph_compiled_for_the_cpus_own_kernels(tmp_path):
     """Inductor keys its cache without the vector ISA ATEN_CPU_CAPABILITY chose: a pinned process that found the
     step loss compiled for this CPU's AVX-512 lanes built it for AVX2's and crashed (a segfault). The mode keeps its
-    own compile cache, so the same cache directory serves both."""
+    own compile cache, so the same cache directory serves both. Starts two Python processes that each compile the
+    step loss with Inductor's CPU backend (40-60 s on 2 cores); no fixture builds this."""
     env = {**CLEAN, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     own = subprocess.run([sys.executable, "-c", COMPILED_PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert own.returncode == 0, own.stderr[-3000:]
