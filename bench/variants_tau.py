@@ -12,12 +12,19 @@ trained drafter is also exported in both serving layouts, which `eagle3ops expor
     dvc repro extract@offline          # the embedded default up to its hidden states, once
     python bench/variants_tau.py --seeds 0 1 2
     python bench/variants_tau.py --rows defaults-scratch defaults-warm   # re-measure some rows, keep the others
+    python bench/variants_tau.py --lanes 3 ...   # on a GPU the small zoo leaves idle: three runs at a time
+
+With `--lanes N`, N processes share the (row, seed) runs, each in its own copy of the checkout under
+.eagle3ops/variants-tau/lane-K/ (a one-off run writes its metrics to a fixed path in its working directory), the
+compile cache shared; the copies hold the data and DVC's cache, so they cost their size on disk each.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +90,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
                         help="the rows to measure at --seeds; every other row and seed is kept from --out")
     parser.add_argument("--out", default="bench/results/variants-tau-zoo.json")
+    parser.add_argument("--lanes", type=int, default=1, help="runs at a time, each in its own copy of the checkout")
     args = parser.parse_args()
     if not Path("data/features/train/manifest.json").is_file():
         sys.exit("no data/features: run `dvc repro extract@offline` first")
@@ -90,7 +98,9 @@ def main() -> None:
     measuring = {(key, seed) for key in args.rows for seed in args.seeds}
     kept = [run for run in json.loads(out.read_text())["runs"]
             if (run["row"], run["seed"]) not in measuring] if out.is_file() else []
-    for key in args.rows:
+    if args.lanes > 1:
+        summary = write(out, kept + in_lanes(sorted(measuring, key=lambda run: (run[1], run[0])), args.lanes))
+    for key in args.rows if args.lanes == 1 else ():
         for seed in args.seeds:
             kept.append(measure(key, seed))
             print(f"{key} seed {seed}: tau {kept[-1]['tau']:.3f}, sampled {kept[-1].get('tau_sampled')}", flush=True)
@@ -104,6 +114,31 @@ def main() -> None:
               f"{row['tau_mean']:.3f} ± {row['tau_stdev']:.3f} | {row['tau_mean'] - first:+.3f} | "
               + (f"{' / '.join(f'{t:.3f}' for t in sampled['taus'])} | {sampled['mean']:.3f} ± {sampled['stdev']:.3f} |"
                  if sampled else "| |"))
+
+
+def in_lanes(runs: list[tuple[str, int]], lanes: int) -> list[dict]:
+    """Measure `runs` in `lanes` processes at once, each in a copy of the checkout; returns what they measured."""
+    started = []
+    for lane in range(min(lanes, len(runs))):
+        root = WORK / f"lane-{lane}"
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(".", root, symlinks=True, ignore=lambda folder, names: {".eagle3ops", "mlruns", "mlflow.db"}
+                        & set(names) if folder == "." else set())
+        cache = Path(".eagle3ops", "compile-cache").absolute()
+        cache.mkdir(parents=True, exist_ok=True)
+        (root / ".eagle3ops").mkdir()
+        (root / ".eagle3ops" / "compile-cache").symlink_to(cache)  # one compilation serves every lane
+        share = runs[lane::lanes]
+        command = [sys.executable, str(Path(__file__).absolute()), "--out", "lane.json", "--rows",
+                   *sorted({key for key, _ in share}), "--seeds", *sorted({str(seed) for _, seed in share})]
+        if len({key for key, _ in share}) * len({seed for _, seed in share}) != len(share):
+            sys.exit(f"lane {lane} would measure more than its share {share}: choose --lanes to divide the runs")
+        print(f"lane {lane} ({root}): {', '.join(f'{key} seed {seed}' for key, seed in share)}", flush=True)
+        started.append((root, subprocess.Popen(command, cwd=root)))
+    failed = [str(root) for root, process in started if process.wait()]
+    if failed:
+        sys.exit(f"lanes failed: {', '.join(failed)} (their lane.json holds what they measured)")
+    return [run for root, _ in started for run in json.loads((root / "lane.json").read_text())["runs"]]
 
 
 def write(out: Path, runs: list[dict]) -> dict:
