@@ -1,6 +1,7 @@
 """Stage runs against a real sqlite MLflow store in a temporary directory."""
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import subprocess
@@ -13,7 +14,7 @@ from mlflow.entities import Run
 
 from eagle3ops.config import Config
 from eagle3ops.reporting.summary import mlflow_ui_hint
-from eagle3ops.tracking.run import stage_run
+from eagle3ops.tracking.run import StageRun, Tracker, Untracked, stage_run
 from eagle3ops.tracking.store import default_uri, shown_uri, tracking_uri
 from helpers import FakeDvc, isolate
 
@@ -147,6 +148,19 @@ def test_phases_and_metrics_are_logged() -> None:
     assert metrics["acceptance_length"] == 2.5
     assert "skipped_none" not in metrics and "skipped_nan" not in metrics
     assert client(cfg).get_metric_history(run.run_id, "acceptance_length")[0].step == 3
+
+
+def test_the_recording_run_and_the_silent_stand_in_keep_one_contract() -> None:
+    """The stage's code calls the same methods on rank 0's run and on the other ranks' stand-in: each method of
+    the contract exists on both with the contract's own signature, and the stand-in records nothing."""
+    for member in ("phase", "log_metrics"):
+        contract = inspect.signature(getattr(Tracker, member))
+        for implementation in (StageRun, Untracked):
+            assert inspect.signature(getattr(implementation, member)).parameters.keys() == contract.parameters.keys()
+    silent = Untracked()
+    with silent.phase("train"):
+        silent.log_metrics({"train/loss": 1.0}, step=1)
+    assert silent.one_off is None and vars(silent) == {}
 
 
 def test_exception_marks_run_failed_and_propagates() -> None:

@@ -21,7 +21,7 @@ from eagle3ops.modeling.target import resolve_device
 from eagle3ops.resume import RESUME_DIR, resume_point
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, destination, record
-from eagle3ops.tracking.run import stage_run
+from eagle3ops.tracking.run import Untracked, stage_run
 from eagle3ops.tracking.stage_view import stage_digest
 from eagle3ops.training import distributed
 from eagle3ops.training.init import WarmStart
@@ -44,7 +44,7 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
     inputs = ([] if online else [cfg.extract.out_dir]) + [cfg.prepare.out_dir, cfg.target.path] + (
         [cfg.train.warm_start] if init == "warm_start" else [])
     tracking = (stage_run(cfg, "train", variant=init, inputs=inputs, extra_params=identity_params(cfg.target))
-                if world.main else nullcontext(distributed.Untracked()))
+                if world.main else nullcontext(Untracked()))
     with tracking as tracked, ExitStack() as engine:
         if world.main:
             tracked.set_tags({"eagle3ops.hidden_states": str(cfg.train.hidden_states),

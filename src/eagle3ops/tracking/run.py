@@ -15,9 +15,10 @@ import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from pathlib import Path
+from typing import Protocol
 
 import mlflow
 import psutil
@@ -138,7 +139,30 @@ def _log_inputs(client: MlflowClient, run_id: str, md5s: dict[str, str]) -> None
         client.log_inputs(run_id, [DatasetInput(d, tags=[InputTag("mlflow.data.context", "input")]) for d in datasets])
 
 
-class StageRun:
+class Tracker(Protocol):
+    """What a stage's work calls on its tracking wherever it runs: the stage's MLflow run (StageRun) in the process
+    that records, Untracked in the others (the ranks other than 0 of a torchrun launch: training/distributed.py)."""
+    one_off: str | None  # why the run is a one-off (ONE_OFF), None for the pipeline's
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Time the block as the phase `name`."""
+
+    def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
+        """Record the values at `step`."""
+
+
+class Untracked(Tracker):
+    """The tracking of a process that records nothing (a rank other than 0)."""
+    one_off = None
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
+        pass
+
+
+class StageRun(Tracker):
     """Handle on the stage's MLflow run, for the stage to log timings, metrics and artifacts.
 
     When the tracking server cannot be reached (from the start, or from some call on), the handle records what

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -135,13 +135,3 @@ def wait_for_main(world: World) -> None:
     if world.size > 1:
         dist.barrier()
 
-
-class Untracked:
-    """What ranks other than 0 have instead of the stage's MLflow run (tracking.StageRun): nothing is logged."""
-    one_off = None
-
-    def phase(self, name: str):
-        return nullcontext()
-
-    def log_metrics(self, metrics, step: int | None = None) -> None:
-        pass
