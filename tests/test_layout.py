@@ -19,7 +19,7 @@ PACKAGE = ROOT / "src" / "eagle3ops"
 # From the bottom up; a module may import from its own layer and the ones below. A layer names top-level modules
 # or packages of eagle3ops.
 LAYERS = (
-    ("errors", "fs", "progress", "resume", "spec_settings", "reproducible"),  # base helpers
+    ("errors", "fs", "progress", "resume", "spec_settings", "reproducible", "cpu_share"),  # base helpers
     ("config",),  # the schema of params.yaml: a leaf above the base helpers (the stage's view: tracking/stage_view.py)
     ("data", "modeling", "formats", "decoding", "serving", "presets"),  # the shared core
     ("generation", "extraction", "training", "reporting", "tracking"),  # each stage's own core

@@ -813,6 +813,8 @@ def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> Non
         from eagle3ops.reproducible import make_gpu_deterministic
 
         make_gpu_deterministic()
+    if computes(name):
+        _share_the_cores(name)
     one_off = _one_off(args)
     if one_off:
         print(f"eagle3ops {name}: a one-off run ({one_off}): its metrics and plots go to {ONE_OFF_DIR}/, not the "
@@ -822,6 +824,24 @@ def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> Non
         run(cfg, args.variant) if getattr(args, "variant", None) else run(cfg)
     finally:
         ONE_OFF.reset(token)
+
+
+# The stages that compute with torch: on a machine without a GPU each holds a CPU slot (cpu_share.py) while it runs
+CPU_BOUND_STAGES = ("zoo", "generate", "target_speed", "extract", "train", "eval")
+
+
+def computes(name: str) -> bool:
+    """Whether the stage `name` (as dvc.yaml names it: train@scratch) computes with torch."""
+    return name.partition("@")[0] in CPU_BOUND_STAGES
+
+
+def _share_the_cores(name: str) -> None:
+    import torch
+
+    from eagle3ops.cpu_share import take_slot
+
+    if not torch.cuda.is_available():
+        take_slot(f"eagle3ops {name}", torch.get_num_threads())
 
 
 def _one_off(args: argparse.Namespace) -> str | None:
