@@ -310,3 +310,17 @@ def test_the_key_is_named_never_given(tmp_path, monkeypatch):
     settings = OpenAIEndpointConfig(model="target", api_key_env="EAGLE3OPS_UNSET_KEY")
     with pytest.raises(InputError, match="EAGLE3OPS_UNSET_KEY is not set"):
         regenerate_openai(one_turn(), settings, 8, 0.0, 0, tmp_path / "log.jsonl")
+
+
+def test_one_rule_for_the_served_model_everywhere() -> None:
+    """Generation's endpoint and the stages' own requests (serving/http.served_model) pick the model alike: the one
+    a server lists; several or none is an error (with generation's key to pick one), never the first taken blind."""
+    from eagle3ops.serving.http import the_one_model
+
+    assert the_one_model({"object": "list", "data": [{"id": "target"}]}, "http://h/v1") == "target"
+    with pytest.raises(EngineError, match=r"lists \['target', 'adapter'\]; set generate.openai.model to the one"):
+        the_one_model({"data": [{"id": "target"}, {"id": "adapter"}]}, "http://h/v1", setting="generate.openai.model")
+    with pytest.raises(EngineError, match="lists no models: one model a server"):
+        the_one_model({"data": []}, "http://h/v1")
+    with pytest.raises(EngineError, match="not a model list: .*is generate.openai.base_url the API root"):
+        the_one_model("<html>", "http://h", root_setting="generate.openai.base_url")

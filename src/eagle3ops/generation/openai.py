@@ -39,7 +39,7 @@ import httpx2
 
 from eagle3ops.config import OpenAIEndpointConfig
 from eagle3ops.errors import InputError
-from eagle3ops.serving.http import BACKOFF_S, MAX_RETRIES, EngineError, Retries, send_async
+from eagle3ops.serving.http import BACKOFF_S, MAX_RETRIES, EngineError, Retries, send_async, the_one_model
 
 REASONING_FIELDS = ("reasoning_content", "reasoning")  # SGLang / transformers serve / older vLLM; newer vLLM
 
@@ -133,14 +133,11 @@ class ChatEndpoint:
     async def served_model(self) -> str:
         response = await self.request("GET", "/models")
         try:
-            ids = [entry["id"] for entry in response.json()["data"]]
-        except (ValueError, KeyError, TypeError):
-            raise EngineError(f"GET {self.base_url}/models: not a model list: {response.text[:300]!r}; is "
-                              f"generate.openai.base_url the API root (ending in /v1)?") from None
-        if len(ids) != 1:
-            raise EngineError(f"{self.base_url}/models lists {ids or 'no models'}; set generate.openai.model to "
-                              f"the one serving the target")
-        return ids[0]
+            listing = response.json()
+        except ValueError:
+            listing = response.text
+        return the_one_model(listing, self.base_url, setting="generate.openai.model",
+                             root_setting="generate.openai.base_url")
 
     async def request(self, method: str, path: str, body: dict | None = None) -> httpx2.Response:
         return await send_async(self.client, method, path, body, self.policy)

@@ -181,7 +181,22 @@ def fetch_json(url: str, payload: dict | None = None) -> dict:
 
 
 def served_model(url: str) -> str:
-    models = fetch_json(f"{url}/v1/models").get("data")
-    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
-        raise EngineError(f"{url}/v1/models: no served model listed")
-    return models[0]["id"]
+    """The model a managed or user's server at `url` (no /v1) serves, by the_one_model's rule."""
+    return the_one_model(fetch_json(f"{url}/v1/models"), f"{url}/v1")
+
+
+def the_one_model(listing: object, api_root: str, setting: str | None = None, root_setting: str | None = None) -> str:
+    """The one rule for the model a request names: the only one an OpenAI-compatible server lists at
+    `api_root`/models (`listing`, its answer). More than one listed (a server with adapters, or several models) is
+    an error that names `setting`, the key that picks one, where there is one: the first of a list is a guess. No
+    model list at all names `root_setting`, the key that gave `api_root`."""
+    models = listing.get("data") if isinstance(listing, dict) else None
+    ids = [m["id"] for m in models if isinstance(m, dict) and "id" in m] if isinstance(models, list) else None
+    if ids is None or len(ids) != len(models):
+        raise EngineError(f"GET {api_root}/models: not a model list: {str(listing)[:300]!r}" +
+                          (f"; is {root_setting} the API root (ending in /v1)?" if root_setting else ""))
+    if len(ids) != 1:
+        raise EngineError(f"{api_root}/models lists {ids or 'no models'}" +
+                          (f"; set {setting} to the one serving the target" if setting else
+                           ": one model a server, the target, is what eagle3ops can measure"))
+    return ids[0]
