@@ -11,9 +11,10 @@ from pathlib import Path
 
 HOLD = """
 import sys, time
-from eagle3ops.cpu_share import take_slot
-print(take_slot(sys.argv[1], threads=int(sys.argv[2]), cores=2), flush=True)
-time.sleep(float(sys.argv[3]))
+from eagle3ops.cpu_share import cpu_slot
+with cpu_slot(sys.argv[1], threads=int(sys.argv[2]), cores=2) as number:
+    print(number, flush=True)
+    time.sleep(float(sys.argv[3]))
 """
 
 
@@ -51,10 +52,25 @@ def test_stages_of_one_thread_share_two_cores_side_by_side(tmp_path: Path) -> No
 
 def test_torchrun_ranks_take_no_slot(monkeypatch) -> None:
     """The ranks of one launch must run together: none of them waits for another."""
-    from eagle3ops.cpu_share import take_slot
+    from eagle3ops.cpu_share import cpu_slot
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert take_slot("eagle3ops train@scratch", threads=64, cores=2) is None
+    with cpu_slot("eagle3ops train@scratch", threads=64, cores=2) as number:
+        assert number is None
+
+
+def test_a_stage_run_in_process_frees_its_slot_when_it_ends(tmp_path, monkeypatch) -> None:
+    """A process that runs stages one after another (a test, a notebook) holds a slot only while each runs."""
+    from eagle3ops.cpu_share import cpu_slot
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    for _ in range(2):
+        with cpu_slot("eagle3ops eval@scratch", threads=2, cores=2) as number:
+            assert number == 0  # the one slot, free again each time
+    waiter = _start(tmp_path, "eagle3ops eval@warm_start", threads=2, hold_s=0)
+    out, err = waiter.communicate(timeout=30)
+    assert out.strip() == "0" and "waiting" not in err
 
 
 def test_a_stage_on_the_cpu_waits_while_other_stages_hold_every_core(tmp_path: Path) -> None:

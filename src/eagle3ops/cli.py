@@ -20,6 +20,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -813,15 +814,14 @@ def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> Non
         from eagle3ops.reproducible import make_gpu_deterministic
 
         make_gpu_deterministic()
-    if computes(name):
-        _share_the_cores(name)
     one_off = _one_off(args)
     if one_off:
         print(f"eagle3ops {name}: a one-off run ({one_off}): its metrics and plots go to {ONE_OFF_DIR}/, not the "
               f"pipeline's, and no drafter is registered", file=sys.stderr, flush=True)
     token = ONE_OFF.set(one_off)
     try:
-        run(cfg, args.variant) if getattr(args, "variant", None) else run(cfg)
+        with _cores_for(name):
+            run(cfg, args.variant) if getattr(args, "variant", None) else run(cfg)
     finally:
         ONE_OFF.reset(token)
 
@@ -835,13 +835,15 @@ def computes(name: str) -> bool:
     return name.partition("@")[0] in CPU_BOUND_STAGES
 
 
-def _share_the_cores(name: str) -> None:
+def _cores_for(name: str) -> AbstractContextManager:
+    """A CPU slot for the stage `name` while it runs, where it computes on this machine's CPU (cpu_share.py)."""
     import torch
 
-    from eagle3ops.cpu_share import take_slot
+    from eagle3ops.cpu_share import cpu_slot
 
-    if not torch.cuda.is_available():
-        take_slot(f"eagle3ops {name}", torch.get_num_threads())
+    if not computes(name) or torch.cuda.is_available():
+        return nullcontext()
+    return cpu_slot(f"eagle3ops {name}", torch.get_num_threads())
 
 
 def _one_off(args: argparse.Namespace) -> str | None:

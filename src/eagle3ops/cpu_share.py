@@ -6,8 +6,8 @@ start -j 2` on two cores, each does not just run at half speed: torch's OpenMP t
 thread the kernel has taken off the core, and two train stages of the embedded default side by side on 2 cores took
 over 4x the CPU time of one alone (docs/runs.md, "Experiments in parallel"). So a stage that computes on the CPU
 holds one of cores // threads slots, machine-wide, for as long as it runs; the next waits and says for whom. A slot
-is a lock file in the temp directory that the operating system releases when its process ends, however it ends:
-nothing stale is left to clean up.
+is a lock file in the temp directory, released when the stage ends, and by the operating system when its process
+ends, however it ends: nothing stale is left to clean up.
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 POLL_S = 1.0
-_held: list = []  # the open slot file: closing it (or the process ending) frees the slot
 
 
 def slots_dir() -> Path:
@@ -30,11 +31,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def take_slot(label: str, threads: int, cores: int | None = None) -> int | None:
-    """Hold a CPU slot for the rest of this process (blocks until one is free); returns its number. None where
-    there is nothing to share: under torchrun, whose ranks must run together, or once this process holds one."""
-    if _held or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return None
+@contextmanager
+def cpu_slot(label: str, threads: int, cores: int | None = None) -> Iterator[int | None]:
+    """Hold a CPU slot for the block (waiting until one is free); yields its number. None under torchrun, whose
+    ranks must run together."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        yield None
+        return
     slots = max(1, (cores or usable_cores()) // max(1, threads))
     folder = slots_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -47,13 +50,15 @@ def take_slot(label: str, threads: int, cores: int | None = None) -> int | None:
             except BlockingIOError:
                 handle.close()
                 continue
-            handle.truncate(0)
-            handle.write(f"{os.getpid()} {label}\n")
-            handle.flush()
-            _held.append(handle)
-            if waiting:
-                print(f"{label}: got a CPU slot after {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
-            return number
+            with handle:  # closing it frees the slot
+                handle.truncate(0)
+                handle.write(f"{os.getpid()} {label}\n")
+                handle.flush()
+                if waiting:
+                    print(f"{label}: got a CPU slot after {time.monotonic() - began:.0f} s", file=sys.stderr,
+                          flush=True)
+                yield number
+            return
         if not waiting:
             print(f"{label}: waiting for a CPU slot: {slots} stage(s) of {threads} thread(s) fit this machine's "
                   f"{cores or usable_cores()} cores, and {', '.join(holders(slots)) or 'others'} hold them",
