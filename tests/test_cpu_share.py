@@ -106,7 +106,7 @@ def test_a_stage_on_the_cpu_waits_while_other_stages_hold_every_core(tmp_path: P
 
 
 def test_every_stage_that_computes_takes_a_slot_by_its_dvc_name() -> None:
-    from eagle3ops.cli import computes
+    from eagle3ops.stages.runner import computes
 
     assert all(computes(name) for name in ("zoo", "generate", "target_speed", "extract@offline", "train@scratch",
                                            "train@warm_start", "eval@baseline", "eval@scratch"))

@@ -1,8 +1,8 @@
 """`eagle3ops COMMAND`: the pipeline's stages (the commands dvc.yaml runs) and the tools for its runs.
 
 COMMANDS is the one table of them: each command's help, its arguments and its handler. argparse lives here only;
-the modules the handlers call take plain values. A stage's handler imports its module (eagle3ops.stages.NAME)
-when it runs, so `--help` loads none of them.
+the modules the handlers call take plain values. Every stage command goes to stages/runner.py (run_stage), which
+imports the stage's module (eagle3ops.stages.NAME) when it runs, so `--help` loads none of them.
 
 Settings come from params.yaml (one typed schema, see config.py); `--set key=value` overrides a key for a
 one-off run outside DVC (under DVC, change params.yaml or use `dvc exp run -S key=value` instead, so the
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import sys
 import textwrap
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +34,7 @@ from eagle3ops.config import (
     load_config,
 )
 from eagle3ops.errors import InputError, UsageError
+from eagle3ops.stages.runner import StageCall, run_stage
 
 if TYPE_CHECKING:
     from eagle3ops.tracking.server import ServerOptions
@@ -92,30 +91,18 @@ def _store_options(command: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- pipeline stages
-# Each handler imports its stage module by name and runs it through _run_stage (at the end of this file).
+# Every stage command is run by stages/runner.py; here only the arguments of those that take more than
+# --params and --set, and export's second life as a tool.
 
-def _zoo(args) -> int:
-    from eagle3ops.stages import zoo
-
-    return _run_stage(args, zoo.run)
-
-
-def _generate(args) -> int:
-    from eagle3ops.stages import generate
-
-    return _run_stage(args, generate.run)
+def _stage(args) -> int:
+    """A pipeline stage: stages/runner.py, run_stage."""
+    return run_stage(_stage_call(args))
 
 
-def _prepare(args) -> int:
-    from eagle3ops.stages import prepare
+def _stage_call(args: argparse.Namespace) -> StageCall:
+    """The stage and its variant (train --init, eval --drafter) as the runner takes them."""
+    return StageCall(args.command, getattr(args, "variant", None), args.params, args.overrides)
 
-    return _run_stage(args, prepare.run)
-
-
-def _extract(args) -> int:
-    from eagle3ops.stages import extract
-
-    return _run_stage(args, extract.run)
 
 
 def _train_arguments(train: argparse.ArgumentParser) -> None:
@@ -123,27 +110,9 @@ def _train_arguments(train: argparse.ArgumentParser) -> None:
                        help="start from random weights or a drafter")
 
 
-def _train(args) -> int:
-    from eagle3ops.stages import train
-
-    return _run_stage(args, train.run)
-
-
 def _eval_arguments(evaluation: argparse.ArgumentParser) -> None:
     evaluation.add_argument("--drafter", choices=list(EvalDrafter), required=True, dest="variant",
                             help="baseline = train.warm_start used as-is; scratch / warm_start = our trained drafters")
-
-
-def _eval(args) -> int:
-    from eagle3ops.stages import eval as evaluation
-
-    return _run_stage(args, evaluation.run)
-
-
-def _target_speed(args) -> int:
-    from eagle3ops.stages import target_speed
-
-    return _run_stage(args, target_speed.run)
 
 
 EXPORT_DESCRIPTION = (
@@ -174,9 +143,7 @@ def _export_arguments(export: argparse.ArgumentParser) -> None:
 def _export(args) -> int:
     """Plain `export` is the DVC stage; `export DRAFTER OUT --format F --target TARGET_DIR` the tool."""
     if not any((args.source, args.out, args.format, args.target)):
-        from eagle3ops.stages import export
-
-        return _run_stage(args, export.run)
+        return _stage(args)
     import tempfile
 
     from eagle3ops.formats.export import export_drafter
@@ -201,12 +168,6 @@ def _registered_drafter(args, into: str) -> str:
         return mlflow.artifacts.download_artifacts(artifact_uri=args.source, dst_path=into)
     except MlflowException as err:
         raise InputError(f"{args.source}: {err.message.splitlines()[0]}") from None
-
-
-def _report(args) -> int:
-    from eagle3ops.stages import report
-
-    return _run_stage(args, report.run)
 
 
 # --------------------------------------------------------------------------------------------------------- tools
@@ -573,23 +534,23 @@ def _tracking_server(args) -> int:
 
 COMMANDS = (
     Command("zoo", "build the embedded default: tokenizer, tiny predecessor/successor targets, predecessor drafter, "
-                   "datasets", _zoo, stage=True),
+                   "datasets", _stage, stage=True),
     Command("generate", "regenerate assistant turns with the target (generate.backend: hf | openai | none)",
-            _generate, stage=True),
+            _stage, stage=True),
     Command("prepare", "tokenize with the chat template, mask assistant tokens, split, build the draft vocabulary",
-            _prepare, stage=True),
-    Command("extract", "capture the target's auxiliary and final hidden states into safetensors shards", _extract,
+            _stage, stage=True),
+    Command("extract", "capture the target's auxiliary and final hidden states into safetensors shards", _stage,
             stage=True),
-    Command("train", "train an EAGLE-3 drafter with training-time test (--init scratch | warm_start)", _train,
+    Command("train", "train an EAGLE-3 drafter with training-time test (--init scratch | warm_start)", _stage,
             _train_arguments, stage=True),
     Command("eval", "speculative decoding on held-out prompts: acceptance length tau, losslessness (--drafter ...)",
-            _eval, _eval_arguments, stage=True),
+            _stage, _eval_arguments, stage=True),
     Command("target_speed", "the target alone on vLLM: tokens/s on the eval sets, what the drafters' served "
-                            "speed-up divides by", _target_speed, stage=True),
+                            "speed-up divides by", _stage, stage=True),
     Command("export", "write a drafter in the layouts SGLang and vLLM load, validated, with launch commands (the "
                       "stage: export.* in params.yaml; or: export DRAFTER OUT --format F --target TARGET_DIR)",
             _export, _export_arguments, EXPORT_DESCRIPTION, stage=True),
-    Command("report", "compare the variants: markdown table, CSV, PNG", _report, stage=True),
+    Command("report", "compare the variants: markdown table, CSV, PNG", _stage, stage=True),
     Command("sync", "upload the runs recorded while the MLflow server was unreachable (.eagle3ops/outbox/)", _sync,
             _store_options,
             "Stages never stop for a tracking server that is down: what they could not log is kept under "
@@ -756,105 +717,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _name(args: argparse.Namespace) -> str:
     """The command as dvc.yaml names it: a stage with a variant (train --init, eval --drafter) is train@scratch."""
-    variant = getattr(args, "variant", None)
-    return f"{args.command}@{variant}" if variant else args.command
-
-
-def _run_stage(args: argparse.Namespace, run: Callable[..., None]) -> int:
-    """A pipeline stage. Under `dvc repro` a stage that fails puts back what DVC removed before running it."""
-    name = _name(args)
-    try:
-        _stage(args, name, run)
-    except BaseException:
-        _put_back_outputs(name)
-        raise
-    return 0
-
-
-def _put_back_outputs(name: str) -> None:
-    from eagle3ops.tracking.lineage import put_back_outputs
-    from eagle3ops.tracking.store import project_root
-
-    dvc_stage = os.environ.get("DVC_STAGE", "")  # the one-item foreach extract@offline runs `eagle3ops extract`
-    if name not in (dvc_stage, dvc_stage.partition("@")[0]):  # run by hand: nothing was removed
-        return
-    name = dvc_stage
-    put_back, cached = put_back_outputs(project_root(), name)
-    if put_back:
-        print(f"eagle3ops {name}: put back the last run's {', '.join(put_back)}", file=sys.stderr)
-    if cached:
-        print(f"eagle3ops {name}: DVC removed {', '.join(cached)} before running the stage; `dvc checkout "
-              f"{' '.join(cached)}` restores the last run's from the cache, and once the change is undone `dvc "
-              f"repro` takes all of the stage's outputs from DVC's run cache without running it", file=sys.stderr)
-
-
-def _stage(args: argparse.Namespace, name: str, run: Callable[..., None]) -> None:
-    """The config as the stage's dvc.yaml entry lets it read it, then the stage module's `run`."""
-    from eagle3ops.serving.server import end_with_parent
-    from eagle3ops.tracking.lineage import declared_params
-    from eagle3ops.tracking.metrics import ONE_OFF_DIR
-    from eagle3ops.tracking.run import ONE_OFF
-    from eagle3ops.tracking.stage_view import for_stage
-    from eagle3ops.tracking.store import project_root
-
-    end_with_parent()
-    cfg = load_config(args.params, args.overrides)
-    declared = declared_params(project_root(), name, Path(args.params).name)
-    if declared is not None:  # a stage of this project's dvc.yaml: it reads only what that declares
-        cfg = for_stage(cfg, name, declared)
-    if cfg.cpu_reproducible:  # before the stage computes anything: the kernels are chosen at their first use
-        from eagle3ops.reproducible import pin_cpu_kernels
-
-        pin_cpu_kernels(cfg.threads)
-    elif cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-    if cfg.gpu_deterministic:
-        from eagle3ops.reproducible import make_gpu_deterministic
-
-        make_gpu_deterministic()
-    one_off = _one_off(args)
-    if one_off:
-        print(f"eagle3ops {name}: a one-off run ({one_off}): its metrics and plots go to {ONE_OFF_DIR}/, not the "
-              f"pipeline's, and no drafter is registered", file=sys.stderr, flush=True)
-    token = ONE_OFF.set(one_off)
-    try:
-        with _cores_for(name):
-            run(cfg, args.variant) if getattr(args, "variant", None) else run(cfg)
-    finally:
-        ONE_OFF.reset(token)
-
-
-# The stages that compute with torch: on a machine without a GPU each holds a CPU slot (cpu_share.py) while it runs
-CPU_BOUND_STAGES = ("zoo", "generate", "target_speed", "extract", "train", "eval")
-
-
-def computes(name: str) -> bool:
-    """Whether the stage `name` (as dvc.yaml names it: train@scratch) computes with torch."""
-    return name.partition("@")[0] in CPU_BOUND_STAGES
-
-
-def _cores_for(name: str) -> AbstractContextManager:
-    """A CPU slot for the stage `name` while it runs, where it computes on this machine's CPU (cpu_share.py)."""
-    import torch
-
-    from eagle3ops.cpu_share import cpu_slot
-
-    if not computes(name) or torch.cuda.is_available():
-        return nullcontext()
-    return cpu_slot(f"eagle3ops {name}", torch.get_num_threads())
-
-
-def _one_off(args: argparse.Namespace) -> str | None:
-    """Why this stage run is not the pipeline's: overrides on the command line, or another params file."""
-    from eagle3ops.tracking.store import project_root
-
-    if args.overrides:
-        return " ".join(f"--set {item}" for item in args.overrides)
-    if Path(args.params).resolve() != (project_root() / "params.yaml").resolve():
-        return f"--params {args.params}"
-    return None
+    return StageCall(args.command, getattr(args, "variant", None)).name
 
 
 if __name__ == "__main__":
