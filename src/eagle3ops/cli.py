@@ -334,48 +334,19 @@ def _check_compat_arguments(compat: argparse.ArgumentParser) -> None:
     compat.add_argument("--json", metavar="FILE", help="also write the report as JSON")
 
 
-def _serving_findings(report, target: str) -> None:
-    """Whether vLLM serves the drafter with the target on this machine (check-compat's `serving` finding): the
-    rules validate-export holds an export to, errors incompatible."""
-    from eagle3ops.config import VllmConfig
-    from eagle3ops.formats.validate import check_engine_limits
-    from eagle3ops.modeling.target import text_config
-
-    errors, warnings = [], []
-    check_engine_limits(errors, warnings, report.draft_config, text_config(target), VllmConfig(), report.drafter)
-    for problem in errors:
-        report.add("serving", "incompatible", problem)
-    for problem in warnings:
-        report.add("serving", "warning", problem)
-    if not errors and not warnings:
-        report.add("serving", "ok", f"vLLM serves its head size ({report.draft_config.head_dim}), the target's and "
-                                    f"its length on this machine")
-
-
 def _check_compat(args) -> int:
-    from eagle3ops.data.prepare import masked_token_counts
+    from eagle3ops.formats.validate import serving_findings
     from eagle3ops.training.compat import EXIT_CODES as VERDICT_CODES
-    from eagle3ops.training.compat import check_compat
+    from eagle3ops.training.compat import check_compat, new_data_counts
 
     if args.json:  # refused before the work, not after it
         from eagle3ops.fs import COMPAT_REPORT, check_output
 
         check_output(args.json, COMPAT_REPORT)
-    counts = None
-    if args.data and Path(args.data).is_dir():
-        counts = masked_token_counts(args.data)
-    elif args.data:
-        from eagle3ops.config import TargetConfig
-        from eagle3ops.data.conversations import load_conversations
-        from eagle3ops.data.prepare import tokenize_dataset
-        from eagle3ops.data.vocab import count_masked_tokens
-        from eagle3ops.modeling.target import load_tokenizer
-
-        tokenizer = load_tokenizer(TargetConfig(path=args.target, chat_template=args.chat_template))
-        samples, _ = tokenize_dataset(tokenizer, load_conversations(args.data), args.max_len, args.data)
-        counts = count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples)
+    counts = new_data_counts(args.data, args.target, args.chat_template, args.max_len) if args.data else None
     report = check_compat(args.target, args.drafter, args.aux_layers, counts, args.min_coverage)
-    _serving_findings(report, args.target)
+    for level, message in serving_findings(report.draft_config, report.target, report.drafter):
+        report.add("serving", level, message)
     print(report.render())
     if args.json:
         from eagle3ops.fs import COMPAT_REPORT, write_json_atomic

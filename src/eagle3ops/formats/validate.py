@@ -230,6 +230,16 @@ def _check_against_target(report: ExportReport, checkpoint: DrafterCheckpoint, t
                                f"engines apply the drafter's own, as it was trained")
 
 
+def serving_findings(draft, target_dir: str | Path, drafter: str) -> list[tuple[str, str]]:
+    """(level, message) of check-compat's `serving` check: whether vLLM serves the drafter (its DraftConfig `draft`)
+    with the target on this machine, by the rules this module holds an export to; errors are incompatible."""
+    errors, warnings = [], []
+    check_engine_limits(errors, warnings, draft, text_config(target_dir), VllmConfig(), drafter)
+    findings = [("incompatible", problem) for problem in errors] + [("warning", problem) for problem in warnings]
+    return findings or [("ok", f"vLLM serves its head size ({draft.head_dim}), the target's and its length on "
+                               f"this machine")]
+
+
 def check_engine_limits(errors: list[str], warnings: list[str], draft, target: dict, vllm: VllmConfig,
                         where: str | Path, head_sizes: bool = True) -> None:
     """What the engines cannot serve as configured here. Errors: a drafter whose max_position_embeddings is below

@@ -91,6 +91,26 @@ def check_compat(target_dir: str | Path, drafter_dir: str | Path, aux_layers: li
     return report
 
 
+def new_data_counts(data: str | Path, target_dir: str | Path, chat_template: str | None = None,
+                    max_len: int = 4096) -> Counter:
+    """The loss-masked token counts of the data a drafter would be warm-started on: a prepared split directory
+    (data/prepared/train) as it is, a conversations JSONL tokenized with the target's tokenizer and chat template,
+    truncated at `max_len`."""
+    from eagle3ops.data.prepare import masked_token_counts
+
+    if Path(data).is_dir():
+        return masked_token_counts(data)
+    from eagle3ops.config import TargetConfig
+    from eagle3ops.data.conversations import load_conversations
+    from eagle3ops.data.prepare import tokenize_dataset
+    from eagle3ops.data.vocab import count_masked_tokens
+    from eagle3ops.modeling.target import load_tokenizer
+
+    tokenizer = load_tokenizer(TargetConfig(path=str(target_dir), chat_template=chat_template))
+    samples, _ = tokenize_dataset(tokenizer, load_conversations(data), max_len, str(data))
+    return count_masked_tokens((s["input_ids"], s["loss_mask"]) for s in samples)
+
+
 def _variant(report: CompatReport, checkpoint: DrafterCheckpoint) -> None:
     cfg = checkpoint.cfg
     switches = (("fc_norm: an RMSNorm per target layer before fc", cfg.fc_norm),
