@@ -292,29 +292,14 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def _bench(args) -> int:
-    from eagle3ops.benchmark.report import outputs, render, write_result
-    from eagle3ops.benchmark.run import run_bench
-    from eagle3ops.benchmark.training import run_data_parallel_bench
-    from eagle3ops.fs import check_output
+    from eagle3ops.benchmark.report import render
+    from eagle3ops.benchmark.run import bench
     from eagle3ops.modeling.target import resolve_device
-    from eagle3ops.training.distributed import launched_world
 
-    for path, kind in outputs(Path(args.out), args.parts):  # before measuring: they replace an earlier bench's only
-        check_output(path, kind)
-    world = launched_world().size
-    if world > 1:  # under torchrun: data-parallel training, against one rank alone
-        if args.parts != ["train"]:
-            raise InputError("under torchrun, bench measures data-parallel training only: give --parts train")
-        result = run_data_parallel_bench(args.size, resolve_device(args.device))
-        if result is None:  # not rank 0
-            return 0
-    else:
-        result = run_bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts),
-                           tuple(args.kernels), args.train_shapes)
-    launcher = f"torchrun --nproc-per-node {world} -m eagle3ops.cli" if world > 1 else "eagle3ops"
-    result["command"] = f"{launcher} " + " ".join(sys.argv[1:])
-    write_result(result, Path(args.out))
-    print(render(result))
+    result = bench(args.size, resolve_device(args.device), Path(args.work_dir), tuple(args.parts), tuple(args.kernels),
+                   args.train_shapes, Path(args.out), " ".join(sys.argv[1:]))
+    if result is not None:
+        print(render(result))
     return 0
 
 

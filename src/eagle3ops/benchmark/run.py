@@ -101,3 +101,31 @@ def run_bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple
             print(f"bench fused step vs reference: {result['fused_vs_reference']}", flush=True)
         result["train_varlen"] = bench_varlen(size_name, work_dir)
     return result
+
+
+def bench(size_name: str, device: torch.device, work_dir: Path, parts: tuple[str, ...], kernels: tuple[str, ...],
+          train_shapes: list[tuple[int, int]] | None, out: Path, command: str) -> dict | None:
+    """`eagle3ops bench`: its outputs checked before measuring (they replace an earlier bench's only), then
+    run_bench in one process, or data-parallel training under torchrun; the result, with the `command` that gave
+    it, written to `out` (JSON, the table beside it as .md). None on the ranks other than 0."""
+    from eagle3ops.benchmark.report import outputs, write_result
+    from eagle3ops.benchmark.training import run_data_parallel_bench
+    from eagle3ops.errors import InputError
+    from eagle3ops.fs import check_output
+    from eagle3ops.training.distributed import launched_world
+
+    for path, kind in outputs(out, list(parts)):
+        check_output(path, kind)
+    world = launched_world().size
+    if world > 1:  # under torchrun: data-parallel training, against one rank alone
+        if list(parts) != ["train"]:
+            raise InputError("under torchrun, bench measures data-parallel training only: give --parts train")
+        result = run_data_parallel_bench(size_name, device)
+        if result is None:  # not rank 0
+            return None
+    else:
+        result = run_bench(size_name, device, work_dir, parts, kernels, train_shapes)
+    launcher = f"torchrun --nproc-per-node {world} -m eagle3ops.cli" if world > 1 else "eagle3ops"
+    result["command"] = f"{launcher} {command}"
+    write_result(result, out)
+    return result
