@@ -210,3 +210,20 @@ def test_turn_without_special_end_marker_is_an_input_error(tiny_tokenizer):
     )
     with pytest.raises(InputError, match="assistant turn 1: .* no special token"):
         tokenize_conversation(tok, TWO_ROUNDS, max_len=4096)
+
+
+def test_a_long_turn_tokenizes_as_its_whole_text_would(tiny_tokenizer):
+    """A reasoning trace of about 300 KB: the closing marker found from the turn's end and only the head that
+    data.max_len needs tokenized, with the ids, mask and truncation of tokenizing the whole text."""
+    words = " ".join(f"step{i % 97} then {i}" for i in range(20000))
+    messages = [{"role": "user", "content": "Think long."},
+                {"role": "assistant", "content": f"<think>\n{words}\n</think>\nDone."}]
+    text, spans = assistant_spans(tiny_tokenizer, messages)
+    whole = tiny_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = whole["input_ids"]
+    mask = [int(any(start <= at < end for start, end in spans)) for at, _ in whole["offset_mapping"]]
+    assert len(text) > 300_000 and mask[-1] == 1  # the closing marker, far from the turn's start, is masked
+    for max_len in (50, 4096, len(ids) - 1, len(ids), len(ids) + 5):
+        result = tokenize_conversation(tiny_tokenizer, messages, max_len)
+        assert result.input_ids == ids[:max_len] and result.loss_mask == mask[:max_len], max_len
+        assert result.truncated == (len(ids) > max_len)

@@ -97,11 +97,25 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generat
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+# A reasoning trace's turn can be megabytes: the closing marker is looked for in a tail of this many characters, four
+# times longer each time none is found; the text is tokenized only as far as data.max_len tokens need (HEAD_MARGIN
+# tokens beyond them, so that where the text was cut changes none of those kept)
+TAIL_CHARS = 1024
+HEAD_CHARS_PER_TOKEN = 8
+HEAD_MARGIN = 64
+
+
 def end_of_turn_marker(tokenizer: PreTrainedTokenizerBase, turn: str) -> str | None:
-    """The last special token in `turn` (one assistant turn as the template writes it), which closes it."""
+    """The last special token in `turn` (one assistant turn as the template writes it), which closes it; looked for
+    from the end, tokenizing as little of the turn as it takes."""
     special = {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
-    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
-    return next((special[token_id] for token_id in reversed(ids) if token_id in special), None)
+    window = TAIL_CHARS
+    while True:  # a special token cut at the window's start is not matched: the next, longer window has it whole
+        ids = tokenizer(turn[-window:], add_special_tokens=False)["input_ids"]
+        found = next((special[token_id] for token_id in reversed(ids) if token_id in special), None)
+        if found is not None or window >= len(turn):
+            return found
+        window *= 4
 
 
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -129,11 +143,24 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) ->
 
 def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int) -> Tokenized:
     text, spans = assistant_spans(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    ids, offsets, truncated = _encode_head(tokenizer, text, max_len)
     mask = [int(any(start <= tok_start < end for start, end in spans)) for tok_start, _ in offsets]
-    truncated = len(ids) > max_len
-    return Tokenized(ids[:max_len], mask[:max_len], truncated)
+    return Tokenized(ids, mask, truncated)
+
+
+def _encode_head(tokenizer: PreTrainedTokenizerBase, text: str, max_len: int) -> tuple[list[int], list, bool]:
+    """The first `max_len` token ids of `text` and their character offsets, and whether it has more: a head of the
+    text is tokenized, longer until it holds HEAD_MARGIN tokens beyond `max_len` (a cut changes only the tokens
+    next to it), else the whole text."""
+    chars = HEAD_CHARS_PER_TOKEN * (max_len + HEAD_MARGIN)
+    while chars < len(text):
+        encoding = tokenizer(text[:chars], add_special_tokens=False, return_offsets_mapping=True)
+        if len(encoding["input_ids"]) > max_len + HEAD_MARGIN:
+            return encoding["input_ids"][:max_len], encoding["offset_mapping"][:max_len], True
+        chars *= 4
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoding["input_ids"]
+    return ids[:max_len], encoding["offset_mapping"][:max_len], len(ids) > max_len
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
