@@ -22,6 +22,9 @@ from pathlib import Path
 
 from eagle3ops.errors import InputError
 
+# The project's own working files, beside its checkout and never in the lineage: resume points, compile cache, logs,
+# one-off metrics, the outbox, engine work folders (each module names its folder in it)
+WORK_DIR = Path(".eagle3ops")
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 # How a full disk reads: Python's OSError, torch.save's writer ("unexpected pos N vs M" when a write came up
 # short, "file write failed"), safetensors' ("I/O error: No space left on device (os error 28)").

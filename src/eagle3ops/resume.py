@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3ops.fs import atomic_path
+from eagle3ops.fs import WORK_DIR, atomic_path
 
-RESUME_DIR = Path(".eagle3ops") / "resume"
+RESUME_DIR = WORK_DIR / "resume"
 
 
 class ResumePoint:

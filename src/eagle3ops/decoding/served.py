@@ -38,11 +38,10 @@ from eagle3ops.errors import InputError
 from eagle3ops.formats.checkpoint import read_json
 from eagle3ops.formats.export import export_drafter
 from eagle3ops.formats.validate import verifier_path
+from eagle3ops.fs import WORK_DIR
 from eagle3ops.modeling.target import text_config
 from eagle3ops.serving.session import Engine, EngineSpec, engine
 from eagle3ops.serving.vllm import cpu_head_size_problems, installed_version, vllm_server
-
-WORK_DIR = Path(".eagle3ops")
 
 
 class EngineDisagreement(EngineError):

@@ -58,7 +58,15 @@ from eagle3ops.serving.registry import (
     write_record,
 )
 from eagle3ops.serving.server import failure_text, free_port, wait_ready
-from eagle3ops.serving.vllm import engines_kept, installed_version, serve_argv, serve_env, setting_behind, vllm_server
+from eagle3ops.serving.vllm import (
+    LOG_DIR,
+    engines_kept,
+    installed_version,
+    serve_argv,
+    serve_env,
+    setting_behind,
+    vllm_server,
+)
 
 SMALL_WEIGHTS_BYTES = 8 * 2**30  # weights up to this are hashed for the key; larger ones by name, size and mtime
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
@@ -172,7 +180,7 @@ def engine(spec: EngineSpec, settings: VllmConfig, log_name: str) -> Iterator[En
         with vllm_server(spec.target, spec.dtype, settings, log_name, spec.seed, drafter=spec.drafter, k=spec.k,
                          chat_template=spec.chat_template) as url:
             weights = Path(spec.drafter) / "model.safetensors" if spec.drafter else None
-            yield Engine(url, "", True, round(time.perf_counter() - began, 1), Path(".eagle3ops/logs"),
+            yield Engine(url, "", True, round(time.perf_counter() - began, 1), LOG_DIR,
                          hashlib.sha256(weights.read_bytes()).hexdigest() if weights else None)
         return
     key = spec.key(settings)

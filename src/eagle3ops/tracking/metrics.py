@@ -8,12 +8,12 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from eagle3ops.fs import write_json_atomic
+from eagle3ops.fs import WORK_DIR, write_json_atomic
 
 METRICS_DIR = Path("metrics")
 PLOTS_DIR = Path("plots")
 HEADLINE = Path("metrics.json")  # the report's few numbers: short column names in `dvc exp show` (tau.scratch)
-ONE_OFF_DIR = Path(".eagle3ops") / "one-off"
+ONE_OFF_DIR = WORK_DIR / "one-off"
 
 
 def destination(run, path: Path) -> Path:

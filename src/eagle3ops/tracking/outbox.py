@@ -27,11 +27,11 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
 
-from eagle3ops.fs import disk_full, is_disk_full, link_or_copy, write_json_atomic
+from eagle3ops.fs import WORK_DIR, disk_full, is_disk_full, link_or_copy, write_json_atomic
 from eagle3ops.tracking.registry import MODEL_FILES, Measurement, log_drafter_model, register_drafter
 
-OUTBOX_DIR = Path(".eagle3ops") / "outbox"
-REJECTED_DIR = Path(".eagle3ops") / "outbox-rejected"  # damaged entries, set aside whole by sync
+OUTBOX_DIR = WORK_DIR / "outbox"
+REJECTED_DIR = WORK_DIR / "outbox-rejected"  # damaged entries, set aside whole by sync
 RECORD = "run.json"
 # An entry without its run.json that is younger than this may be one a stage is creating right now
 FRESH_S = 60.0

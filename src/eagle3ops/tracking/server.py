@@ -18,12 +18,12 @@ from typing import NamedTuple, NoReturn
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from eagle3ops.errors import InputError
-from eagle3ops.fs import write_text_atomic
+from eagle3ops.fs import WORK_DIR, write_text_atomic
 
 DB_URI_ENV = "EAGLE3OPS_DB_URI"
 SECRET_KEY_ENV = "MLFLOW_FLASK_SERVER_SECRET_KEY"
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
-DEFAULT_STATE_DIR = Path(".eagle3ops") / "tracking-server"
+DEFAULT_STATE_DIR = WORK_DIR / "tracking-server"
 AUTH_CONFIG = "basic_auth.ini"
 # SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; the `team` extra installs psycopg2.
 DRIVERS = {"postgresql": "postgresql+psycopg2"}

@@ -17,6 +17,7 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
 from eagle3ops.config import Config
+from eagle3ops.fs import WORK_DIR
 
 # A tracking server that is down must cost a stage seconds, not the minutes of MLflow's default retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -222,7 +223,7 @@ def log_pipeline_run(client: MlflowClient, parent_id: str, metrics: dict[str, fl
 
 # A tracking server that did not answer a stage of a pipeline run, so that its later stages go straight to the outbox
 # (each would spend a minute of timeouts) and the report says so: {"uri", "pipeline_key", "error"}, in the store root
-UNANSWERED = Path(".eagle3ops") / "tracking-unanswered.json"
+UNANSWERED = WORK_DIR / "tracking-unanswered.json"
 
 
 class TrackingUnanswered(Exception):

@@ -25,6 +25,7 @@ from eagle3ops.data.vocab import read_vocab_map
 from eagle3ops.errors import InputError
 from eagle3ops.extraction.imported import target_layout
 from eagle3ops.extraction.vllm import EngineStates, capturing_server
+from eagle3ops.fs import WORK_DIR
 from eagle3ops.modeling.draft import Eagle3Draft
 from eagle3ops.modeling.target import (
     load_embedding_and_head,
@@ -80,8 +81,6 @@ def target_states(cfg: Config, device: torch.device, samples: int, engine: ExitS
     if cfg.train.online_url is not None:
         engine_states = EngineStates(cfg.train.online_url, target_layout(cfg.target))
     else:
-        from eagle3ops.decoding.served import WORK_DIR  # it imports the serving code, and transformers' models with it
-
         WORK_DIR.mkdir(exist_ok=True)
         captured = Path(engine.enter_context(tempfile.TemporaryDirectory(prefix="captured-", dir=WORK_DIR)))
         engine_states = engine.enter_context(capturing_server(cfg.target, cfg.vllm, "train-online", captured))

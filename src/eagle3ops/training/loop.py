@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -28,6 +27,7 @@ from tqdm import tqdm
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.data.hidden_states import decode
 from eagle3ops.errors import InputError
+from eagle3ops.fs import WORK_DIR
 from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, step_loss, ttt_loss
 from eagle3ops.progress import progress as progress_bar
 from eagle3ops.training import distributed
@@ -46,7 +46,7 @@ from eagle3ops.training.optimizers import Optimizers
 
 # Compiled graphs and kernels (Inductor's and Triton's caches), kept for the next process: a resumed or re-run stage,
 # the next experiment. TORCHINDUCTOR_CACHE_DIR, when set, names another place.
-COMPILE_CACHE_DIR = Path(".eagle3ops") / "compile-cache"
+COMPILE_CACHE_DIR = WORK_DIR / "compile-cache"
 
 
 @dataclass
