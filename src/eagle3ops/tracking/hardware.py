@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from eagle3ops.cpu_share import usable_cores
 from eagle3ops.reproducible import DETERMINISTIC_GPU, PINNED_KERNELS
 
 UNKNOWN = "unknown"
@@ -108,7 +109,7 @@ def fingerprint() -> dict[str, Value]:
         "cpu_model": _safe(_cpu_model),
         "cpu_logical_cores": _safe(lambda: os.cpu_count() or UNKNOWN),
         # Cores this process may run on (a container or taskset can allow fewer than the machine has).
-        "cpu_usable_cores": _safe(lambda: len(os.sched_getaffinity(0))),
+        "cpu_usable_cores": _safe(usable_cores),
         "torch_threads": _safe(torch.get_num_threads),
         # the CPU kernels torch runs, and whether the reproducible mode pinned them (reproducible.py)
         "cpu_capability": _safe(torch.backends.cpu.get_cpu_capability),
