@@ -1,8 +1,9 @@
 """Training on data of varying length, timed from the start of a fresh process: the train stage's own loop
 (training/loop.py, train_drafter: packing, compilation, AdamW, clipping, bf16 autocast on a GPU) over a seeded
-log-normal set of lengths, as real reasoning traces vary. Each run is a new Python process, once with an empty
-compile cache (cold: every graph compiled) and once with the cache the first left (warm: a resumed stage, the next
-experiment). Two epochs: the first is the figure from process start, the second the same data with nothing left
+log-normal set of lengths, as real reasoning traces vary. Each run is a new Python process: once with an empty
+compile cache (cold: every graph compiled; it saves the train stage's compile-cache entry), once with an empty cache
+again but that entry loaded first (travelling: a fresh machine after `dvc pull`, training/compile_cache.py), and once
+with the cache the others left (warm: a resumed stage, the next experiment on this machine). Two epochs: the first is the figure from process start, the second the same data with nothing left
 to compile. The setup before the first step is timed part by part: the interpreter, the imports, the device's start,
 the random features with the stand-ins for the target's embedding and head, and the drafter, built as the train stage
 builds a new one (training/init.py: initialised on the training device, the target's embedding moved there).
@@ -33,18 +34,20 @@ def varlen_lengths(size: BenchSize, samples: int | None = None) -> list[int]:
 
 
 def bench_varlen(size_name: str, work_dir: Path) -> dict:
-    """The cold and the warm run, each a fresh process sharing one compile cache under `work_dir`."""
-    cache = work_dir / "compile-cache"
-    shutil.rmtree(cache, ignore_errors=True)
+    """The cold, travelling and warm runs, each a fresh process with the compile cache under `work_dir`."""
+    cache, entry = work_dir / "compile-cache", work_dir / "compile-cache-entry"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()),
            "TRITON_CACHE_DIR": str(cache.resolve() / "triton")}
     runs = []
-    for cache_state in ("cold", "warm"):
+    for cache_state in ("cold", "travelling", "warm") if torch.cuda.is_available() else ("cold", "warm"):  # CPU: eager
+        if cache_state != "warm":
+            shutil.rmtree(cache, ignore_errors=True)
         out = work_dir / f"varlen-{cache_state}.json"
         out.unlink(missing_ok=True)
         launched = time.time()
         code = f"import time; started = time.time(); from eagle3ops.benchmark.varlen import train_from_process_start; " \
-               f"train_from_process_start({size_name!r}, {str(out)!r}, {launched!r}, started)"
+               f"train_from_process_start({size_name!r}, {str(out)!r}, {launched!r}, started, {str(entry)!r}, " \
+               f"{cache_state!r})"
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         run = json.loads(out.read_text())
         runs.append({"compile_cache": cache_state, "process_s": round(time.time() - launched, 1), **run})
@@ -62,9 +65,11 @@ def bench_varlen(size_name: str, work_dir: Path) -> dict:
 
 
 def train_from_process_start(size_name: str, out: str, launched: float | None = None,
-                             started: float | None = None) -> None:
+                             started: float | None = None, entry: str | None = None, cache_state: str = "") -> None:
     """In a fresh process: random features of the set's lengths (made on the device, kept on the host as the train
-    stage keeps features), then two epochs of train_drafter; writes the timings, memory and compile figures.
+    stage keeps features), then two epochs of train_drafter; writes the timings, memory and compile figures. With
+    `entry` (a folder), the cold run saves the stage's compile-cache entry there and the travelling one loads it
+    before anything compiles, as the train stage does.
 
     `launched`: the wall clock when the parent started this process, `started`: when its code began (the interpreter
     up). Without `launched` the process's creation time stands in, which psutil reads to the second the machine booted
@@ -76,6 +81,7 @@ def train_from_process_start(size_name: str, out: str, launched: float | None = 
     from eagle3ops.benchmark.training import draft_config
     from eagle3ops.config import DrafterTrainConfig
     from eagle3ops.modeling.draft import compute_dtype
+    from eagle3ops.training import compile_cache
     from eagle3ops.training.init import build_drafter
     from eagle3ops.training.loop import Hooks, Recipe, train_drafter
 
@@ -107,6 +113,12 @@ def train_from_process_start(size_name: str, out: str, launched: float | None = 
     made_features = time.time()
     draft = build_drafter(cfg, embedding, d2t, t2d, seed=0, device=device)
     sync(device)
+    built = time.time()
+    if entry is not None and cache_state == "travelling":
+        state, line = compile_cache.load(compile_cache.folder_entries(Path(entry)))
+        print(f"bench train-varlen: {line}", flush=True)
+        if state != "loaded":
+            raise RuntimeError(f"the travelling run found no entry to load: {line}")
     optim = DrafterTrainConfig(epochs=2, batch_size=1, packed_length=size.varlen_packed_length, lr=1e-4,
                                optimizer="adamw", log_every=1, checkpoint_every=0)
     stamps: list[tuple[float, int]] = []  # (wall clock, epoch) at the end of each step: logging reads the loss back
@@ -117,7 +129,8 @@ def train_from_process_start(size_name: str, out: str, launched: float | None = 
     setup_parts = {**({"interpreter": started - process_start, "imports": imported - started} if started is not None
                       else {"interpreter and imports": imported - process_start}),
                    "device start": device_ready - imported, "random features": made_features - device_ready,
-                   "drafter": ready - made_features}
+                   "drafter": built - made_features,
+                   **({"compile cache loaded": ready - built} if cache_state == "travelling" else {})}
     ends = [stamp for stamp, epoch in stamps if epoch == 0]
     # dynamo's phases, nested: tracing (entire_frame_compile) holds the forward's backend_compile, Inductor's
     # code_gen and the wait for its Triton workers (async_compile.wait); entire_backward_compile is the backward's
@@ -141,3 +154,5 @@ def train_from_process_start(size_name: str, out: str, launched: float | None = 
         "losses": [row["train/loss"] for row in result.history],
     }
     Path(out).write_text(json.dumps(result_row))
+    if entry is not None and cache_state == "cold":
+        print(f"bench train-varlen: {compile_cache.save(Path(entry), {})}", flush=True)

@@ -30,6 +30,7 @@ from eagle3ops.runs.records import PipelineRecord, load_pipeline
 from eagle3ops.tracking import hardware
 from eagle3ops.tracking.lineage import load_yaml, lock_outputs
 from eagle3ops.tracking.metrics import HEADLINE, METRICS_DIR, read_all
+from eagle3ops.training.compile_cache import OUTPUT_ROOT
 
 LINEAGE_FILES = ("dvc.yaml", "params.yaml", "dvc.lock")
 
@@ -91,10 +92,13 @@ def expectation(record: PipelineRecord, here: dict, threads_here: int, pinned_he
 
 
 def output_kind(path: str, params: dict) -> str:
-    """timing: holds wall times; checkout: names the checkout's own paths (the serving guide); else result."""
+    """timing: holds wall times; checkout: names the checkout's own paths (the serving guide); cache: the compiled
+    graphs (training/compile_cache.py); else result."""
     report_dir = (params.get("report") or {}).get("out_dir", "reports")
     if path == str(HEADLINE) or path.startswith((f"{METRICS_DIR}/", f"{report_dir.rstrip('/')}")):
         return "timing"
+    if path.startswith(f"{OUTPUT_ROOT.as_posix()}/"):
+        return "cache"
     return "checkout" if path == (params.get("export") or {}).get("guide", "models/SERVING.md") else "result"
 
 

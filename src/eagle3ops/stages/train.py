@@ -23,7 +23,7 @@ from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import PLOTS_DIR, destination, record
 from eagle3ops.tracking.run import Untracked, stage_run
 from eagle3ops.tracking.stage_view import stage_digest
-from eagle3ops.training import distributed
+from eagle3ops.training import compile_cache, distributed
 from eagle3ops.training.init import WarmStart
 from eagle3ops.training.inputs import acceptance_simulator, initial_drafter, load_inputs
 from eagle3ops.training.loop import Hooks, Recipe, TrainState, train_drafter
@@ -57,6 +57,12 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
             simulator = acceptance_simulator(cfg, loaded) if cfg.train.simulate.every and world.main else None
         resume = (resume_point(f"train@{init}", {"params": stage_digest(cfg), "inputs": tracked.input_md5s})
                   if world.main else None)
+        carried = compile_cache.last_entries(f"train@{init}")
+        if device.type == "cuda":
+            state, line = compile_cache.load(carried)
+            print(f"train@{init}: {line}", flush=True)
+            if world.main:
+                tracked.set_tags({"eagle3ops.compile_cache": state})
         saved = distributed.shared_resume(resume, world)
         if saved is not None and world.main:
             print(f"train@{init}: resuming at step {saved['step']} from {resume.path}", flush=True)
@@ -73,6 +79,7 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state.to_dict())
         resume.clear()
+        print(f"train@{init}: {compile_cache.save(compile_cache.stage_output(f'train@{init}'), carried)}", flush=True)
         _write_plots(destination(tracked, PLOTS_DIR), init, result.history)
         tracked.log_drafter_model(out_dir, init, {"target": cfg.target.id, "target.revision": str(cfg.target.revision)})
         record(tracked, f"train-{init}", {

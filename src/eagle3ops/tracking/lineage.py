@@ -213,7 +213,7 @@ def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
             if target.is_file() and (found := _md5(target)) != md5:
                 changed.append(f"{path}: md5 {found}, dvc.lock records {md5}")
             continue
-        cache = _dvc_cache_dir(root)
+        cache = dvc_cache_dir(root)
         listing = cache / md5[:2] / md5[2:] if cache else None
         if listing is None or not listing.is_file():
             continue
@@ -233,7 +233,7 @@ def _md5(path: Path) -> str:
 
 
 @functools.cache
-def _dvc_cache_dir(root: Path) -> Path | None:
+def dvc_cache_dir(root: Path) -> Path | None:
     """DVC's local cache of md5-addressed files (`cache.dir` where set, e.g. by `eagle3ops reproduce`); None outside
     a DVC repository."""
     from dvc.exceptions import NotDvcRepoError  # a second's import, only for a stage reading a directory DVC tracks

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import random
 import sys
 import time
@@ -27,10 +26,9 @@ from tqdm import tqdm
 from eagle3ops.config import DrafterTrainConfig
 from eagle3ops.data.hidden_states import decode
 from eagle3ops.errors import InputError
-from eagle3ops.fs import WORK_DIR
 from eagle3ops.modeling.draft import Eagle3Draft, TTTResult, compute_dtype, step_loss, ttt_loss
 from eagle3ops.progress import progress as progress_bar
-from eagle3ops.training import distributed
+from eagle3ops.training import compile_cache, distributed
 from eagle3ops.training.data import (
     ASSEMBLED_AHEAD,
     assemble,
@@ -43,10 +41,6 @@ from eagle3ops.training.data import (
 )
 from eagle3ops.training.distributed import World
 from eagle3ops.training.optimizers import Optimizers
-
-# Compiled graphs and kernels (Inductor's and Triton's caches), kept for the next process: a resumed or re-run stage,
-# the next experiment. TORCHINDUCTOR_CACHE_DIR, when set, names another place.
-COMPILE_CACHE_DIR = WORK_DIR / "compile-cache"
 
 
 @dataclass
@@ -294,15 +288,15 @@ def prepare_for_training(draft: Eagle3Draft, device: torch.device, optim: Drafte
     kernel, SwiGLU, the head) and the step loss are compiled. Every batch has one shape (rows of
     train.packed_length) and every TTT step after the first the same inputs (modeling/draft.py, TTTContext), so a
     run compiles two graphs of the step and one of the loss, in its first step, whatever the lengths of the data
-    (and as many again, without gradients, for the held-out evaluation); COMPILE_CACHE_DIR keeps them for the next
-    process. The recompile limit is raised for processes that train several shapes (the bench): past it a graph
+    (and as many again, without gradients, for the held-out evaluation); the local compile cache keeps them for the
+    next process (training/compile_cache.py). The recompile limit is raised for processes that train several shapes (the bench): past it a graph
     would fall back to the unfused kernels. The frozen embedding (the target's, only looked up) is kept in bf16 as
     the target keeps it. Elsewhere both run eager: the same math, unfused."""
     draft.to(device).train()
     loss = (optim.loss, optim.lk_kl_scale, optim.lk_kl_decay)
     if device.type != "cuda":
         return _step_loss(*loss)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR.resolve()))
+    compile_cache.use_local_cache()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     draft.embed_tokens.to(torch.bfloat16)
     draft.compile(dynamic=False)
