@@ -26,9 +26,8 @@ from eagle3ops.extraction.imported import (
     import_features,
     open_source,
     plan_import,
-    target_layout,
 )
-from eagle3ops.modeling.target import decoder_layers, load_target, model_size
+from eagle3ops.modeling.target import decoder_layers, load_target, model_size, target_layout
 from eagle3ops.training.data import load_feature_samples
 from helpers import isolate
 

@@ -92,8 +92,8 @@ def test_a_server_that_does_not_capture_states_is_named_by_the_extraction(vllm_t
     """Hidden-state capture (tests/test_vllm_extract.py) asked of a plain server, as this module serves: the error
     says what the server lacks. Here, not there, to start no server of its own."""
     from eagle3ops.config import TargetConfig
-    from eagle3ops.extraction.imported import target_layout
     from eagle3ops.extraction.vllm import EngineStates
+    from eagle3ops.modeling.target import target_layout
 
     layout = target_layout(TargetConfig(path=str(tiny_target_dir), aux_layers=[1, 2, 3]))
     with pytest.raises(EngineError, match=r"/v1/completions: no kv_transfer_params.hidden_states_path .*"

@@ -17,6 +17,7 @@ from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import extract_features
 from eagle3ops.modeling.target import load_target
 from eagle3ops.training.data import assemble, load_feature_samples, pack
+from eagle3ops.training.loop import HiddenStateSource
 from eagle3ops.training.online import TargetStates, token_samples
 from helpers import micro_pipeline_repo, run
 from test_resume import ROOT, train_workspace
@@ -74,6 +75,7 @@ def test_the_target_on_packed_rows_gives_each_sample_its_stored_states(samples):
     rows, batch = packed_batch(tokens)
     assert max(len(row) for row in rows) > 1
     states = TargetStates(model, AUX, torch.device("cpu"), len(tokens), 0.0)
+    assert isinstance(states, HiddenStateSource)  # what the training loop asks of a source
     out = states(rows, batch)
     index = {id(sample): i for i, sample in enumerate(tokens)}
     reference = assemble([[stored[index[id(s)]] for s in row] for row in rows], 600, 2)

@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from eagle3ops.config import TargetConfig
 from eagle3ops.data.hidden_states import encode, finite_positions
 from eagle3ops.data.prepare import SPLITS, read_tokenized
 from eagle3ops.data.shards import ShardWriter
@@ -47,36 +46,12 @@ from eagle3ops.errors import InputError
 from eagle3ops.extraction.hf import ExtractResult, NonFiniteError
 from eagle3ops.formats.conventions import from_hf
 from eagle3ops.fs import write_json_atomic
-from eagle3ops.modeling.target import TargetError, resolve_aux_layers, text_config, weight_locations
+from eagle3ops.modeling.target import TargetError, TargetLayout, weight_locations
 from eagle3ops.progress import progress
 
 
 class PeerFormatError(InputError):
     """A peer generator's output that cannot be imported as configured."""
-
-
-@dataclass(frozen=True)
-class TargetLayout:
-    """What the peer files are checked against: the target's shape and the configured layers."""
-    path: Path
-    hidden_size: int
-    num_layers: int
-    rms_norm_eps: float
-    aux_layers: list[int]  # HF hidden_states indices, in the configured order
-
-    @property
-    def slot_order(self) -> list[int]:
-        """Engines store the aux layers low to high: where each configured layer sits among them."""
-        ranked = sorted(self.aux_layers)
-        return [ranked.index(i) for i in self.aux_layers]
-
-
-def target_layout(target: TargetConfig) -> TargetLayout:
-    """From config.json alone (text_config for multimodal wrappers): the target is never loaded here."""
-    config = text_config(target.path)
-    layers = config["num_hidden_layers"]
-    return TargetLayout(Path(target.path), config["hidden_size"], layers, config.get("rms_norm_eps", 1e-6),
-                        resolve_aux_layers(target.aux_layers, layers))
 
 
 def checkpoint_size(path: str | Path) -> dict[str, int]:

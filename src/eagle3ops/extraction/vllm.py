@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 
 from eagle3ops.config import TargetConfig, VllmConfig
 from eagle3ops.extraction.hf import ExtractResult, write_features
-from eagle3ops.extraction.imported import TargetLayout, final_norm_weight, from_engine_slots, target_layout
+from eagle3ops.extraction.imported import final_norm_weight, from_engine_slots
+from eagle3ops.modeling.target import TargetLayout, target_layout
 from eagle3ops.serving.http import EngineError, fetch_json, served_model
 from eagle3ops.serving.vllm import Capture, vllm_server
 

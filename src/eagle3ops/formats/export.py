@@ -27,11 +27,11 @@ from eagle3ops.formats.checkpoint import read_drafter, read_json
 from eagle3ops.formats.conventions import CONVENTIONS, from_hf
 from eagle3ops.formats.specforge import WEIGHTS, CheckpointError, dtype_name, write_checkpoint
 from eagle3ops.formats.speculators import to_speculators_config, to_speculators_names
-from eagle3ops.formats.validate import EXPORT_RECORD, LAYOUT_CONVENTION, ExportReport, target_config, validate_export
+from eagle3ops.formats.validate import EXPORT_RECORD, LAYOUT_CONVENTION, ExportReport, validate_export
 from eagle3ops.fs import EXPORT, atomic_dir, write_json_atomic
 from eagle3ops.modeling.draft import DraftConfig
 from eagle3ops.modeling.target import DTYPES as TORCH_DTYPES
-from eagle3ops.modeling.target import check_model_dir, default_aux_layers
+from eagle3ops.modeling.target import check_model_dir, default_aux_layers, text_config_checked
 
 
 def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, target_dir: str | Path,
@@ -47,7 +47,7 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, fmt: str, targe
     if speculative_tokens < 1:
         raise InputError(f"speculative tokens must be at least 1, got {speculative_tokens}")
     checkpoint = read_drafter(drafter_dir)
-    target = target_config(target_dir)
+    target = text_config_checked(target_dir)
     source = checkpoint.cfg
     aux = source.aux_layers or default_aux_layers(target["num_hidden_layers"])
     cfg = replace(source, aux_layers=list(aux),

@@ -26,7 +26,7 @@ from eagle3ops.formats.checkpoint import (
 from eagle3ops.formats.conventions import CONVENTIONS, rope_settings, to_hf
 from eagle3ops.formats.specforge import CheckpointError
 from eagle3ops.fs import EXPORT
-from eagle3ops.modeling.target import TargetError, check_model_dir, default_aux_layers, text_config
+from eagle3ops.modeling.target import check_model_dir, default_aux_layers, text_config, text_config_checked
 from eagle3ops.serving.vllm import cpu_head_size_problems, printed_command
 
 EXPORT_RECORD = EXPORT.marker  # eagle3ops_export.json: what tells an export from a directory of the user's
@@ -62,17 +62,6 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def target_config(target_dir: str | Path) -> dict:
-    """The target's language-model config, with the fields a drafter is checked against."""
-    config = text_config(target_dir)
-    missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers")
-               if not isinstance(config.get(key), int)]
-    if missing:
-        raise TargetError(f"{target_dir}/config.json: no integer {', '.join(missing)} (under text_config for a "
-                          f"multimodal wrapper); a drafter cannot be checked against it")
-    return config
-
-
 def validate_export(out_dir: str | Path, fmt: str | None, target_dir: str | Path,
                     served_as: str | Path | None = None, vllm: VllmConfig | None = None) -> ExportReport:
     """Check the export in `out_dir` (layout `fmt`, or the one it holds when None) against the target, and
@@ -90,7 +79,7 @@ def validate_export(out_dir: str | Path, fmt: str | None, target_dir: str | Path
 
 def _validate(report: ExportReport, out_dir: Path, fmt: str | None, target_dir: str | Path,
               vllm: VllmConfig) -> None:
-    target = target_config(target_dir)
+    target = text_config_checked(target_dir)
     try:
         raw = read_raw(out_dir)
     except CheckpointError as err:

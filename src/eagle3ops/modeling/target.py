@@ -1,4 +1,5 @@
-"""The target model: loading, which layers feed the drafter, and capturing them with hooks.
+"""The target model's one home: its config read (text_config, text_config_checked, target_layout), loading, which
+layers feed the drafter, and capturing them with hooks.
 
 Layer ids here are indices into Hugging Face's `output_hidden_states` tuple: 0 is the embedding output and
 i is the output of decoder layer i-1, i.e. the input of decoder layer i (vLLM's meaning of an id). SGLang and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,6 +59,17 @@ def text_config(path: str | Path) -> dict:
     """The language model's settings from config.json (under `text_config` for multimodal wrappers)."""
     config = json.loads((check_model_dir(path) / "config.json").read_text())
     return config.get("text_config") or config
+
+
+def text_config_checked(target_dir: str | Path) -> dict:
+    """The target's language-model config, with the fields a drafter is checked against."""
+    config = text_config(target_dir)
+    missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers")
+               if not isinstance(config.get(key), int)]
+    if missing:
+        raise TargetError(f"{target_dir}/config.json: no integer {', '.join(missing)} (under text_config for a "
+                          f"multimodal wrapper); a drafter cannot be checked against it")
+    return config
 
 
 def load_tokenizer(target: TargetConfig):
@@ -186,6 +199,30 @@ def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[in
         raise TargetError(f"target.aux_layers: {ids} repeats a layer; EAGLE-3 fuses three different layers"
                           + (" (the default [2, N//2, N-3] needs N >= 8)" if aux_layers is None else ""))
     return ids
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """The target's shape and the configured layers: what vLLM's captured states and peer files are checked against."""
+    path: Path
+    hidden_size: int
+    num_layers: int
+    rms_norm_eps: float
+    aux_layers: list[int]  # HF hidden_states indices, in the configured order
+
+    @property
+    def slot_order(self) -> list[int]:
+        """Engines store the aux layers low to high: where each configured layer sits among them."""
+        ranked = sorted(self.aux_layers)
+        return [ranked.index(i) for i in self.aux_layers]
+
+
+def target_layout(target: TargetConfig) -> TargetLayout:
+    """From config.json alone (text_config for multimodal wrappers): the target is never loaded here."""
+    config = text_config(target.path)
+    layers = config["num_hidden_layers"]
+    return TargetLayout(Path(target.path), config["hidden_size"], layers, config.get("rms_norm_eps", 1e-6),
+                        resolve_aux_layers(target.aux_layers, layers))
 
 
 class HiddenCapture:

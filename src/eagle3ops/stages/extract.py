@@ -17,9 +17,9 @@ from eagle3ops.config import Config
 from eagle3ops.data.prepare import SPLITS, read_tokenized
 from eagle3ops.data.shards import MANIFEST, read_manifest
 from eagle3ops.extraction.hf import ExtractResult, extract_features
-from eagle3ops.extraction.imported import checkpoint_size, import_features, open_source, plan_import, target_layout
+from eagle3ops.extraction.imported import checkpoint_size, import_features, open_source, plan_import
 from eagle3ops.extraction.vllm import capture_layer_ids, capturing_server, extract_features_vllm
-from eagle3ops.modeling.target import load_target, model_size, model_text_config, resolve_aux_layers
+from eagle3ops.modeling.target import load_target, model_size, model_text_config, resolve_aux_layers, target_layout
 from eagle3ops.resume import resume_point
 from eagle3ops.tracking.identity import identity_params
 from eagle3ops.tracking.metrics import record

@@ -23,7 +23,6 @@ from eagle3ops.data.prepare import masked_token_counts
 from eagle3ops.data.shards import read_manifest
 from eagle3ops.data.vocab import read_vocab_map
 from eagle3ops.errors import InputError
-from eagle3ops.extraction.imported import target_layout
 from eagle3ops.extraction.vllm import EngineStates, capturing_server
 from eagle3ops.fs import WORK_DIR
 from eagle3ops.modeling.draft import Eagle3Draft
@@ -34,6 +33,7 @@ from eagle3ops.modeling.target import (
     load_tokenizer,
     model_text_config,
     resolve_aux_layers,
+    target_layout,
 )
 from eagle3ops.spec_settings import SpecSettings
 from eagle3ops.training.data import load_feature_samples

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Protocol, runtime_checkable
 
 import torch
 from tqdm import tqdm
@@ -43,6 +44,20 @@ from eagle3ops.training.distributed import World
 from eagle3ops.training.optimizers import Optimizers
 
 
+@runtime_checkable
+class HiddenStateSource(Protocol):
+    """Where online training's hidden states come from (training/online.py): the target in this process
+    (TargetStates, hooks on its layers) or a capturing vLLM server (EngineTargetStates). Offline the samples carry
+    theirs, stored by the extract stage from the same sources or imported from a peer's files (extraction/), and a
+    recipe has none."""
+    remote: bool  # computed in another process: batches are assembled ahead of the step, on a CPU too
+    aux_layers: list[int]  # HF hidden_states indices, in the configured order
+
+    def __call__(self, rows: list[list[dict]], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The assembled `batch` (training/data.py; its rows `rows`) with aux_hidden [R, T, 3H] and final_hidden
+        [R, T, H] added, on the training device."""
+
+
 @dataclass
 class Recipe:
     """One training run: the drafter (trained in place), its data, the target's head and the settings."""
@@ -55,9 +70,7 @@ class Recipe:
     device: torch.device
     world: World | None = None  # None: the process group this process has joined, or this process alone
     warm_moments: dict | None = None  # a warm start's optimizer states, continued under this run's settings
-    # None: the samples carry their hidden states (offline); else (rows, assembled batch) -> the batch with them,
-    # from the target running beside training (training/online.py)
-    hidden_states: Callable[[list, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    hidden_states: HiddenStateSource | None = None  # None: the samples carry their hidden states (offline)
 
 
 @dataclass(frozen=True)
@@ -173,7 +186,7 @@ def train_drafter(recipe: Recipe, hooks: Hooks = Hooks(), state: TrainState | No
         distributed.broadcast_from_main(weights.masters)  # DDP broadcasts the drafter's weights, not the masters
     start, resumed_at, probe_s, first_step_s = time.perf_counter(), (step, tokens), 0.0, 0.0
     progress = progress_bar(total_steps, hooks.desc, "step", initial=step) if world.main else tqdm(disable=True)
-    depth = assembly_depth(device, remote_states=getattr(recipe.hidden_states, "remote", False))
+    depth = assembly_depth(device, remote_states=recipe.hidden_states is not None and recipe.hidden_states.remote)
     remaining = remaining_batches(batches, step, total_steps)
     rows_per_rank = math.ceil(optim.batch_size / world.size)
     make = functools.partial(_make_batch, recipe, world, rows_per_rank)
