@@ -34,7 +34,9 @@ COMPILE_AND_SAVE_OR_LOAD = textwrap.dedent("""
     weight = torch.randn(8, 8, requires_grad=True)
     step = torch.compile(lambda x: (x @ weight).relu().sum(), dynamic=False)
     step(torch.randn(4, 8)).backward()
-    saved = compile_cache.save(folder, compile_cache.folder_entries(folder)) if action == "save" else None
+    # after loading, the entry saved again elsewhere: the graphs loaded count as this process's, for the next machine
+    saved = compile_cache.save(folder if action == "save" else folder.parent / "saved-again",
+                               compile_cache.folder_entries(folder) if action == "save" else {})
     print(json.dumps({"loaded": loaded, "saved": saved, "inductor": dict(counters["inductor"]),
                       "aot_autograd": dict(counters["aot_autograd"])}))
 """)
@@ -100,7 +102,8 @@ def test_the_last_runs_entries_come_from_dvcs_cache_once_dvc_removed_the_output(
 def test_graphs_saved_by_one_process_are_loaded_by_a_fresh_one_with_an_empty_cache(tmp_path: Path) -> None:
     """A real round trip through Inductor on the CPU: one process compiles a step (forward and backward) and saves
     the stage's output beside five entries of other machines; a second, with an empty local cache, loads this
-    machine's entry and compiles nothing. Starts two Python processes that compile (about 20 s on 2 cores)."""
+    machine's entry, compiles nothing, and saves the same graphs again (what it loaded is its to pass on). Starts
+    two Python processes that compile (about 45 s on 2 cores)."""
     output = tmp_path / "compile-cache" / "train-scratch"
     others = {f"gpu{n}": _another_machine(device=f"GPU {n}") for n in range(5)}
     _write_entries(output, {machine_key(made_on): (made_on, name.encode()) for name, made_on in others.items()})
@@ -127,6 +130,9 @@ def test_graphs_saved_by_one_process_are_loaded_by_a_fresh_one_with_an_empty_cac
     assert state == "loaded" and "inductor" in line, line
     assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1 and not second["inductor"].get("fxgraph_cache_miss")
     assert second["aot_autograd"].get("autograd_cache_hit", 0) >= 1
+    again = json.loads((output.parent / "saved-again" / INDEX).read_text())
+    assert list(again) == [machine_key(this_machine())] and again[machine_key(this_machine())]["bytes"] == kept[
+        machine_key(this_machine())]["bytes"]
 
 
 def _env() -> dict[str, str]:

@@ -13,7 +13,7 @@ from eagle3ops.config import Config, ConfigError, EvalConfig, PromptSetConfig, T
 from eagle3ops.data.shards import iter_samples
 from eagle3ops.decoding import evaluation
 from eagle3ops.decoding.batching import TargetBatch
-from eagle3ops.decoding.evaluation import acceptance_fields, decode_and_compare, find_parting, sampled_fields
+from eagle3ops.decoding.evaluation import decode_and_compare, find_parting
 from eagle3ops.decoding.speculative import (
     AcceptanceStats,
     speculative_generate,
@@ -327,7 +327,7 @@ def test_the_sampled_pass_decodes_speculatively_alone(target, monkeypatch):
     again = decode_and_compare(constant, draft, tokenizer, prompts, sampled_settings(greedy, 1.0), 16, 1, 7, "test",
                                reference=False)  # prompt i samples with seed + i, whatever the batch
     assert [s.accepted_at for s in again.per_prompt] == [s.accepted_at for s in sampled.per_prompt]
-    block = sampled_fields(1.0, acceptance_fields(sampled.overall, sampled.per_set, {}, sampled.per_prompt, 7))
+    block = sampled.decoded(1.0, 7).to_json()
     assert block["temperature"] == 1.0 and "prompts_by_set" not in block
     assert block["tau_ci_low"] <= block["tau"] <= block["tau_ci_high"] and set(block["tau_by_set"]) == {"a", "b"}
 
@@ -395,13 +395,28 @@ def test_eval_counts_a_parting_at_a_tie_as_lossless_and_an_early_stop_as_not(tmp
     assert acceptance_table({"eval-scratch": metrics}).loc[0, "lossless"] == "NO (1 prompts)"
 
 
+ACCEPTANCE = {"tau": 2.0, "accept_1": 0.5, "verify_steps": 8, "accepted_tokens": 8, "tau_by_set": {"chat": 2.0}}
+
+
+def eval_metrics(vllm: dict | None = None) -> dict:
+    """metrics/eval-<drafter>.json of 4 prompts at tau 2; with a vllm block where `vllm` says how it differs from
+    one served on cpu-2c by an engine found running."""
+    measured = {**ACCEPTANCE, "temperature": 0.0, "emitted_tokens": 16, "spec_tokens_per_s": 1.0, "prompts": 4,
+                "prompts_by_set": {"chat": 4}, "time": {"stage_s": 9.0}}
+    if vllm is None:
+        return measured
+    served = {"version": "0.32.0", "tokens_per_s": 300.0, "concurrency": 8, "hardware": "cpu-2c", "engine_starts": 0,
+              "engine_start_s": 0.0}
+    return {**measured, "vllm": {**ACCEPTANCE, **served, **vllm}}
+
+
 def test_the_report_counts_the_engines_behind_its_results():
     """The stages that started a vLLM engine, with the time the starts took, and those that found one running;
     the pipeline run's metric is their sum. A pipeline without vLLM says nothing of engines."""
     from eagle3ops.reporting.summary import engine_starts_line, pipeline_metrics
 
-    measured = {"tau": 2.0, "prompts": 4, "accept_1": 0.5, "time": {"stage_s": 9.0}}
-    evals = {drafter: {**measured, "vllm": {"tau": 2.0, "engine_starts": n, "engine_start_s": s}}
+    measured = eval_metrics()
+    evals = {drafter: eval_metrics({"engine_starts": n, "engine_start_s": s})
              for drafter, n, s in (("baseline", 1, 31.25), ("scratch", 0, 0.0), ("warm_start", 1, 30.0))}
     metrics = ({f"eval-{drafter}": m for drafter, m in evals.items()}
                | {"target_speed": {"measured": True, "engine_starts": 1, "engine_start_s": 30.0,
@@ -421,19 +436,15 @@ def test_a_speedup_divides_only_speeds_of_the_same_hardware():
     no speed-up, and the report says why and what to run."""
     from eagle3ops.reporting.summary import markdown, served_speedups
 
-    def evaluated(hardware: str) -> dict:
-        return {"tau": 2.0, "prompts": 4, "accept_1": 0.5, "tau_by_set": {}, "time": {"stage_s": 9.0},
-                "vllm": {"tau": 2.0, "accept_1": 0.5, "tokens_per_s": 300.0, "hardware": hardware,
-                         "concurrency": 8}}
-
-    metrics = {"eval-scratch": evaluated("cpu-2c"), "eval-warm_start": evaluated("H200"),
+    local = eval_metrics({"hardware": "cpu-2c"})
+    metrics = {"eval-scratch": local, "eval-warm_start": eval_metrics({"hardware": "H200"}),
                "target_speed": {"measured": True, "tokens_per_s": 200.0, "vllm": {"hardware": "cpu-2c"},
                                 "time": {"stage_s": 40.0}}}
     assert served_speedups(metrics) == {"scratch": 1.5}
     report = markdown(metrics, "sqlite:///mlflow.db")
     assert ("No speed-up where the drafter was served on H200: the target alone was measured on cpu-2c (set "
             "hardware.label to the same label, or `dvc repro -f -s target_speed` here).") in report
-    assert "No speed-up" not in markdown({**metrics, "eval-warm_start": evaluated("cpu-2c")}, "sqlite:///mlflow.db")
+    assert "No speed-up" not in markdown({**metrics, "eval-warm_start": local}, "sqlite:///mlflow.db")
 
 
 def write_constant_models(tiny_target_dir: Path, root: Path) -> tuple[Path, Path]:
@@ -493,3 +504,27 @@ def test_eval_stage_measures_tau_at_both_temperatures(tmp_path, monkeypatch, tin
 
     metrics = evaluate(None)
     assert "sampled" not in metrics and "decode_sampled_s" not in metrics["time"] and metrics["tau"] == 4.0
+
+
+RECORDED_EVALS = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").rglob("eval-*.json"))
+
+
+@pytest.mark.parametrize("path", RECORDED_EVALS, ids=[f"{p.parent.parent.name}-{p.stem}" for p in RECORDED_EVALS])
+def test_recorded_eval_results_read_back_as_they_were_written(path):
+    """Every committed metrics/eval-*.json (CPU, H200 and H100 runs of several versions) as EvalResult, written back:
+    the same file apart from the stage's phases ("time", tracking/metrics.py) and the figures older versions did not
+    record."""
+    from eagle3ops.decoding.results import EvalResult
+
+    recorded = json.loads(path.read_text())
+    written = EvalResult.read(recorded, str(path)).to_json()
+    older = {"temperature", "near_tie_prompts"} - recorded.keys()  # read with their defaults
+    assert {k: v for k, v in written.items() if k not in older} == {k: v for k, v in recorded.items() if k != "time"}
+
+
+def test_an_eval_results_file_that_is_not_one_is_named():
+    from eagle3ops.decoding.results import EvalResult
+    from eagle3ops.errors import InputError
+
+    with pytest.raises(InputError, match=r"metrics/eval-scratch.json: not an eval's results .*KeyError: 'verify_steps'"):
+        EvalResult.read({"tau": 2.0, "accept_1": 0.5, "prompts_by_set": {"a": 1}}, "metrics/eval-scratch.json")

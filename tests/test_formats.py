@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from eagle3ops.cli import main
 from eagle3ops.config import ConfigError, load_config
+from eagle3ops.decoding.results import Decoded, EvalResult, OutputCheck
 from eagle3ops.decoding.speculative import speculative_greedy, target_greedy
 from eagle3ops.formats.checkpoint import detect_layout, import_drafter, read_drafter
 from eagle3ops.formats.export import export_drafter
@@ -501,6 +502,14 @@ def test_cli_export_validate_import(ours, tmp_path, tiny_target_dir, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+def eval_metrics(tau: float, mismatched: int, near_ties: int = 0) -> str:
+    """metrics/eval-<drafter>.json of 20 greedy prompts, `mismatched` of them parting from the target's output."""
+    primary = Decoded(tau=tau, per_position=(0.5,), verify_steps=40, accepted_tokens=40, tau_by_set={"chat": tau},
+                      temperature=0.0, emitted_tokens=80, spec_tokens_per_s=10.0)
+    check = OutputCheck(mismatched == near_ties, mismatched, near_ties)
+    return json.dumps(EvalResult(primary=primary, prompts_by_set={"chat": 20}, output_check=check).to_json())
+
+
 @pytest.mark.service
 def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tmp_path, monkeypatch, capsys, vocab,
                                                                               tiny_target_dir):
@@ -515,16 +524,15 @@ def test_export_stage_writes_the_champion_in_validated_layouts_and_serving_md(tm
         save_drafter(make_drafter(vocab), tmp_path / "models" / "drafters" / init)
     (tmp_path / "metrics").mkdir()
     for init in ("scratch", "warm_start"):  # both changed the target's output: which files, how many prompts, why
-        (tmp_path / "metrics" / f"eval-{init}.json").write_text(
-            '{"tau": 2.5, "lossless": false, "mismatched_prompts": 7, "near_tie_prompts": 2, "prompts": 20}')
+        (tmp_path / "metrics" / f"eval-{init}.json").write_text(eval_metrics(2.5, mismatched=7, near_ties=2))
     assert main(["export"]) == 1
     err = capsys.readouterr().err
     assert ("every drafter changed the target's greedy output beyond a near-tie of its logits: "
             "metrics/eval-scratch.json (5 of 20 prompts)") in err
     assert "set export.drafter to scratch or warm_start" in err
     # scratch has the higher tau, but changed the target's output
-    (tmp_path / "metrics" / "eval-scratch.json").write_text('{"tau": 3.1, "lossless": false}')
-    (tmp_path / "metrics" / "eval-warm_start.json").write_text('{"tau": 2.4, "lossless": true}')
+    (tmp_path / "metrics" / "eval-scratch.json").write_text(eval_metrics(3.1, mismatched=1))
+    (tmp_path / "metrics" / "eval-warm_start.json").write_text(eval_metrics(2.4, mismatched=0))
     assert main(["export"]) == 0  # no DRAFTER OUT: the DVC stage, from params.yaml
     out = capsys.readouterr().out
     assert "export: warm_start (champion: warm_start tau 2.400)" in out

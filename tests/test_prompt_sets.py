@@ -194,7 +194,8 @@ def test_own_sets_in_their_directory_are_accepted(tmp_path):
 
 
 def eval_metrics(tau: float, by_set: dict[str, float], prompts: dict[str, int], **extra) -> dict:
-    return {"tau": tau, "accept_1": 0.5, "accept_2": 0.25, "lossless": True, "mismatched_prompts": 0,
+    return {"tau": tau, "accept_1": 0.5, "accept_2": 0.25, "verify_steps": 40, "accepted_tokens": 30,
+            "emitted_tokens": 70, "spec_tokens_per_s": 10.0, "lossless": True, "mismatched_prompts": 0,
             "prompts": sum(prompts.values()), "tau_by_set": by_set, "prompts_by_set": prompts,
             "time": {"stage_s": 1.0}, **extra}
 
@@ -229,7 +230,8 @@ def test_report_has_tau_per_set_for_each_drafter(tmp_path):
 def sampled(tau: float, by_set: dict[str, float], **extra) -> dict:
     """The `sampled` block of an eval's metrics: tau again at eval.sampled_temperature."""
     return {"temperature": 1.0, "tau": tau, "tau_ci_low": round(tau - 0.1, 4), "tau_ci_high": round(tau + 0.12, 4),
-            "accept_1": 0.4, "accept_2": 0.15, "tau_by_set": by_set, **extra}
+            "accept_1": 0.4, "accept_2": 0.15, "verify_steps": 40, "accepted_tokens": 22, "emitted_tokens": 62,
+            "spec_tokens_per_s": 5.0, "tau_by_set": by_set, **extra}
 
 
 def test_report_shows_tau_at_both_temperatures(tmp_path):
@@ -242,6 +244,7 @@ def test_report_shows_tau_at_both_temperatures(tmp_path):
                           "sampled": sampled(1.05, {"gsm8k": 1.1, "mt-bench": 1.0})},
         "eval-scratch": {**eval_metrics(3.51, {"gsm8k": 3.6, "mt-bench": 3.4}, prompts, temperature=0.0,
                                         tau_ci_low=3.37, tau_ci_high=3.63, draft_vocab_coverage=1.0,
+                                        target_params=100, target_bytes=400, target_tokens_per_s=50.0,
                                         time={"stage_s": 30.0, "load_s": 1.0, "decode_sampled_s": 9.5}),
                          "sampled": sampled(2.71, {"gsm8k": 2.9, "mt-bench": 2.4})},
         "eval-warm_start": eval_metrics(3.5, {"gsm8k": 3.6, "mt-bench": 3.3}, prompts),

@@ -2,22 +2,27 @@
 batches, with the same seed and sampling; acceptance overall, per prompt set and per prompt, losslessness
 (greedy: the two outputs token for token, a parting at a near-tie of the target's own logits told apart) and the
 speed of each. The measurement again at a sampling temperature (eval.sampled_temperature) decodes speculatively
-only: one sampled run has no reference to be checked against.
+only: one sampled run has no reference to be checked against. The results are results.py's types:
 
     measured = decode_and_compare(target, draft, tokenizer, prompts, settings, max_new_tokens, batch_size, seed, desc)
-    fields = acceptance_fields(measured.overall, measured.per_set, prompts_by_set, measured.per_prompt, seed)
+    primary = measured.decoded(settings.temperature, seed)
     again = decode_and_compare(..., sampled_settings(settings, 1.0), ..., reference=False)
-    fields["sampled"] = sampled_fields(1.0, acceptance_fields(again.overall, again.per_set, {}, again.per_prompt, seed))
+    sampled = again.decoded(1.0, seed)
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
 from eagle3ops.data.chat import prompt_ids
+from eagle3ops.decoding.engines import SetMeasurement
+from eagle3ops.decoding.results import Acceptance, Decoded, OutputCheck, ServedOnVllm, TargetAlone
+from eagle3ops.decoding.served import Served
 from eagle3ops.decoding.speculative import AcceptanceStats, speculative_generate, target_generate, tau_interval
 from eagle3ops.progress import progress
 from eagle3ops.spec_settings import SpecSettings
@@ -40,6 +45,19 @@ class Parting:
     @property
     def near_tie(self) -> bool:
         return self.gap is not None and self.gap <= self.tolerance
+
+    def tag(self) -> str:
+        """prompt@token:gap/tolerance, "stops" for the gap where one output stops early."""
+        gap = "stops" if self.gap is None else f"{self.gap:.3g}"
+        return f"{self.prompt}@{self.position}:{gap}/{self.tolerance:.3g}"
+
+    def explained(self) -> str:
+        """The log's line: where the output parts, why, and whether that is a near-tie."""
+        why = ("one output stops early" if self.gap is None else
+               f"the target's logit gap {self.gap:.3g} is {'within' if self.near_tie else 'beyond'} its rounding, "
+               f"{self.tolerance:.3g}")
+        return (f"{self.prompt} parts from the target's own output at token {self.position}: {why}: "
+                f"{'a near-tie' if self.near_tie else 'NOT lossless'}")
 
 
 @torch.no_grad()
@@ -80,9 +98,20 @@ class Compared:
         """Greedy: every prompt's output is the target's, but where the two part at a near-tie of its logits."""
         return all(parting.near_tie for parting in self.partings)
 
-    @property
-    def draft_vocab_coverage(self) -> float:
-        return self.in_draft_vocab / max(1, self.plain_tokens)
+    def decoded(self, temperature: float, seed: int) -> Decoded:
+        """The speculative decoding's results, with tau's interval over the prompts."""
+        speed = tokens_per_s(self.spec_tokens, self.spec_s)
+        return from_counts(Decoded, self.overall, self.per_set, self.per_prompt, seed, temperature=temperature,
+                           emitted_tokens=self.spec_tokens, spec_tokens_per_s=speed)
+
+    def target_alone(self, size: dict[str, int]) -> TargetAlone:
+        """The target decoding alone (`size`: modeling.target.model_size)."""
+        return TargetAlone(**size, target_tokens_per_s=tokens_per_s(self.plain_tokens, self.plain_s),
+                           draft_vocab_coverage=round(self.in_draft_vocab / max(1, self.plain_tokens), 4))
+
+    def output_check(self) -> OutputCheck:
+        """Greedy: the outputs against the target's."""
+        return OutputCheck(self.lossless, len(self.mismatched), len(self.near_ties))
 
 
 def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: SpecSettings, max_new_tokens: int,
@@ -122,35 +151,48 @@ def decode_and_compare(target, draft, tokenizer, prompts: list[dict], settings: 
     return compared
 
 
-def acceptance_fields(overall: AcceptanceStats, per_set: dict[str, AcceptanceStats], prompts_by_set: dict[str, int],
-                      per_prompt: list[AcceptanceStats] | None = None, seed: int = 0) -> dict:
-    """tau, per-position acceptance and counts, overall and per prompt set: what every backend reports; and, where
-    each prompt's counts are known (the hf backend), tau's 95% bootstrap interval over the prompts."""
-    interval = {}
+Result = TypeVar("Result", bound=Acceptance)
+
+
+def from_counts(kind: type[Result], overall: AcceptanceStats, per_set: Mapping[str, AcceptanceStats],
+                per_prompt: list[AcceptanceStats] | None = None, seed: int = 0, **rest) -> Result:
+    """A result of `kind` (results.py: Decoded, ServedOnVllm) from these counts, rounded as the metrics files
+    keep them: tau, a_i and counts, overall and per prompt set; where each prompt's counts are known (the hf
+    backend), tau's 95% bootstrap interval over the prompts; `rest`: the kind's other fields."""
+    interval = None
     if per_prompt:
         low, high = tau_interval(per_prompt, seed=seed)
-        interval = {"tau_ci_low": round(low, 4), "tau_ci_high": round(high, 4)}
-    return {"tau": round(overall.tau, 4), **interval,
-            **{f"accept_{i + 1}": round(a, 4) for i, a in enumerate(overall.per_position)},
-            "verify_steps": overall.steps, "accepted_tokens": overall.accepted,
-            "tau_by_set": {name: round(stats.tau, 4) for name, stats in per_set.items()},
-            "prompts_by_set": prompts_by_set}
+        interval = (round(low, 4), round(high, 4))
+    return kind(tau=round(overall.tau, 4), per_position=tuple(round(a, 4) for a in overall.per_position),
+                verify_steps=overall.steps, accepted_tokens=overall.accepted,
+                tau_by_set={name: round(stats.tau, 4) for name, stats in per_set.items()}, interval=interval, **rest)
 
 
-def sampled_fields(temperature: float, fields: dict) -> dict:
-    """The metrics block of the measurement at eval.sampled_temperature: its temperature, then its acceptance_fields
-    (tau, its interval where each prompt's counts are known, a_i, counts, tau per set) without prompts_by_set,
-    the primary measurement's."""
-    return {"temperature": temperature, **{key: value for key, value in fields.items() if key != "prompts_by_set"}}
+def tokens_per_s(tokens: int, seconds: float) -> float:
+    return round(tokens / max(seconds, 1e-9), 1)
 
 
-def engine_fields(k: int, measured: dict, prompts_by_set: dict[str, int]) -> dict:
-    """acceptance_fields of a measurement on a server (decoding/engines.py, {set: SetMeasurement}); a_i None where
-    the engine gave no counts per position; its emitted tokens and their rate."""
-    overall = AcceptanceStats.merged(k, [result.stats for result in measured.values()])
-    fields = acceptance_fields(overall, {name: result.stats for name, result in measured.items()}, prompts_by_set)
-    if not all(result.per_position for result in measured.values()):
-        fields.update({f"accept_{i}": None for i in range(1, k + 1)})
-    tokens = sum(result.completion_tokens for result in measured.values())
-    seconds = sum(result.seconds for result in measured.values())
-    return {**fields, "emitted_tokens": tokens, "spec_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+def decoded_on_engine(k: int, temperature: float, per_set: dict[str, SetMeasurement]) -> Decoded:
+    """A measurement on a server (decoding/engines.py), a_i None where the engine gave no counts per position."""
+    overall = AcceptanceStats.merged(k, [result.stats for result in per_set.values()])
+    tokens = sum(result.completion_tokens for result in per_set.values())
+    seconds = sum(result.seconds for result in per_set.values())
+    decoded = from_counts(Decoded, overall, {name: result.stats for name, result in per_set.items()},
+                          temperature=temperature, emitted_tokens=tokens,
+                          spec_tokens_per_s=tokens_per_s(tokens, seconds))
+    if not all(result.per_position for result in per_set.values()):
+        decoded = replace(decoded, per_position=(None,) * k)
+    return decoded
+
+
+def served_on_vllm(served: Served, k: int, concurrency: int, hardware: str,
+                   references: dict[str, list[int]] | None) -> ServedOnVllm:
+    """What vLLM measured, in the decoder's terms; greedy (`references`: each prompt's output by the target alone),
+    how many prompts' output is token for token the target's."""
+    outputs = served.outputs()
+    return from_counts(ServedOnVllm, served.overall(k), {name: m.stats for name, m in served.with_drafter.items()},
+                       version=served.version, tokens_per_s=round(served.tokens_per_s(served.with_drafter), 1),
+                       concurrency=concurrency, hardware=hardware, engine_starts=int(served.engine.started),
+                       engine_start_s=round(served.engine.start_s, 1) if served.engine.started else 0.0,
+                       greedy_equal_prompts=None if references is None else
+                       sum(outputs.get(pid) == ids for pid, ids in references.items()))

@@ -10,6 +10,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from eagle3ops.config import EvalDrafter, TrainInit
+from eagle3ops.decoding.results import Acceptance, Decoded, EvalResult, OutputCheck
+from eagle3ops.tracking.metrics import METRICS_DIR
 
 # The pipeline's stages whose metrics the report reads (the zoo stands in for models a user already has)
 STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit), "target_speed",
@@ -17,47 +19,42 @@ STAGES = ("generate", "prepare", "extract", *(f"train-{i}" for i in TrainInit), 
 COLORS = dict(zip(EvalDrafter, ("#999999", "#1f77b4", "#ff7f0e")))
 
 
-def draft_positions(eval_metrics: dict) -> int:
-    """k, the draft tokens per verification, as the eval's accept_1..accept_k say."""
-    return sum(1 for key in eval_metrics if key.startswith("accept_"))
-
-
 def temperature_label(temperature: float) -> str:
     """T=0, T=1, T=0.7: how the report names the temperature a figure was measured at."""
     return f"T={temperature:g}"
 
 
-def _evals(metrics: dict[str, dict]) -> dict[str, dict]:
-    return {d: metrics[f"eval-{d}"] for d in EvalDrafter if f"eval-{d}" in metrics}
+def _evals(metrics: dict[str, dict]) -> dict[str, EvalResult]:
+    return {d: EvalResult.read(metrics[f"eval-{d}"], f"{METRICS_DIR}/eval-{d}.json (stage eval@{d})")
+            for d in EvalDrafter if f"eval-{d}" in metrics}
 
 
-def _measurements(m: dict) -> list[dict]:
-    """An eval's measurements: the primary one (the file's top level), then the one at eval.sampled_temperature."""
-    return [m, m["sampled"]] if "sampled" in m else [m]
+def _measurements(result: EvalResult) -> list[Decoded]:
+    """An eval's measurements: the primary one, then the one at eval.sampled_temperature."""
+    return [result.primary, result.sampled] if result.sampled else [result.primary]
 
 
-def _at(m: dict) -> str:
-    """The temperature label of a measurement (eval.temperature: 0 in files written before the eval recorded it)."""
-    return temperature_label(m.get("temperature", 0.0))
+def _at(measured: Decoded) -> str:
+    return temperature_label(measured.temperature)
 
 
-def _label(measurements: list[dict]) -> str | None:
+def _label(measurements: list[Decoded]) -> str | None:
     """The temperature label of these measurements, several joined by "/" where they differ; None for none."""
     labels = list(dict.fromkeys(_at(m) for m in measurements))
     return "/".join(labels) if labels else None
 
 
-def _lossless(m: dict) -> str:
+def _lossless(check: OutputCheck) -> str:
     """yes; yes with the prompts that part from the target's output at a near-tie of its logits (rounding, not the
     drafter: decoding/evaluation.py, Parting); or NO with the prompts that part beyond it."""
-    near_ties = m.get("near_tie_prompts", 0)
-    if not m["lossless"]:
-        return f"NO ({m['mismatched_prompts'] - near_ties} prompts)"
+    if not check.lossless:
+        return f"NO ({check.changed_prompts} prompts)"
+    near_ties = check.near_tie_prompts
     return f"yes ({near_ties} near-tie{'s' * (near_ties != 1)})" if near_ties else "yes"
 
 
-def _interval(m: dict) -> str:
-    return f"{m['tau_ci_low']:.2f}-{m['tau_ci_high']:.2f}" if "tau_ci_low" in m else "not measured"
+def _interval(m: Acceptance) -> str:
+    return f"{m.interval[0]:.2f}-{m.interval[1]:.2f}" if m.interval else "not measured"
 
 
 def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
@@ -65,17 +62,18 @@ def acceptance_table(metrics: dict[str, dict]) -> pd.DataFrame:
     measured it, at eval.sampled_temperature; tau on vLLM (at the primary temperature), losslessness (greedy)
     and draft-vocabulary coverage."""
     evals = _evals(metrics)
-    primary = _label(list(evals.values()))
-    sampled = _label([m["sampled"] for m in evals.values() if "sampled" in m])
+    primary = _label([r.primary for r in evals.values()])
+    sampled = _label([r.sampled for r in evals.values() if r.sampled])
     rows = []
-    for drafter, m in evals.items():
-        row = {"drafter": drafter, f"tau {primary}": m["tau"], f"{primary} 95% CI": _interval(m)}
+    for drafter, r in evals.items():
+        row = {"drafter": drafter, f"tau {primary}": r.primary.tau, f"{primary} 95% CI": _interval(r.primary)}
         if sampled:
-            row.update({f"tau {sampled}": m["sampled"]["tau"] if "sampled" in m else None,
-                        f"{sampled} 95% CI": _interval(m["sampled"]) if "sampled" in m else "not measured"})
-        rows.append({**row, **({f"tau vLLM {primary}": m["vllm"]["tau"]} if "vllm" in m else {}),
-                     "lossless": _lossless(m) if "lossless" in m else "not checked",  # sampled, or on an engine
-                     "vocab coverage": m.get("draft_vocab_coverage")})
+            row.update({f"tau {sampled}": r.sampled.tau if r.sampled else None,
+                        f"{sampled} 95% CI": _interval(r.sampled) if r.sampled else "not measured"})
+        rows.append({**row, **({f"tau vLLM {primary}": r.vllm.tau} if r.vllm else {}),
+                     # not checked: sampled, or on an engine
+                     "lossless": _lossless(r.output_check) if r.output_check else "not checked",
+                     "vocab coverage": r.target_alone.draft_vocab_coverage if r.target_alone else None})
     return pd.DataFrame(rows)
 
 
@@ -83,13 +81,12 @@ def position_table(metrics: dict[str, dict]) -> pd.DataFrame:
     """Per drafter and temperature (the primary, then the sampled one): acceptance by draft position, beside the
     trained drafter's step-0 accuracy on held-out data (a temperature-free figure: on the primary row)."""
     rows = []
-    for drafter, m in _evals(metrics).items():
-        k = draft_positions(m)
+    for drafter, r in _evals(metrics).items():
         acc_0 = metrics.get(f"train-{drafter}", {}).get("eval/acc_0")
-        for measured in _measurements(m):
+        for measured in _measurements(r):
             rows.append({"drafter": drafter, "temperature": _at(measured),
-                         **{f"a{i}": measured.get(f"accept_{i}") for i in range(1, k + 1)},
-                         "ttt acc_0 (held-out)": acc_0 if measured is m else None})
+                         **{f"a{i}": share for i, share in enumerate(measured.per_position, 1)},
+                         "ttt acc_0 (held-out)": acc_0 if measured is r.primary else None})
     return pd.DataFrame(rows)
 
 
@@ -106,26 +103,25 @@ def served_speedups(metrics: dict[str, dict]) -> dict[str, float]:
     """Per drafter served on vLLM: its tokens/s over the target's alone, where both ran on the same hardware (by
     its label)."""
     alone, where = target_alone_tokens_per_s(metrics), _target_alone_hardware(metrics)
-    return {drafter: round(m["vllm"]["tokens_per_s"] / alone, 3) for drafter in EvalDrafter
-            if "vllm" in (m := metrics.get(f"eval-{drafter}", {})) and alone and m["vllm"]["hardware"] == where}
+    return {drafter: round(r.vllm.tokens_per_s / alone, 3) for drafter, r in _evals(metrics).items()
+            if r.vllm and alone and r.vllm.hardware == where}
 
 
 def served_table(metrics: dict[str, dict]) -> pd.DataFrame:
     """Per drafter measured on vLLM (eval.engine): its acceptance from vLLM's counters beside the decoder's, whether
     its greedy output is the target's, and the served speed with it against the target alone on this hardware."""
     rows, speedups, alone = [], served_speedups(metrics), target_alone_tokens_per_s(metrics)
-    for drafter in EvalDrafter:
-        m = metrics.get(f"eval-{drafter}", {})
-        served = m.get("vllm")
+    for drafter, r in _evals(metrics).items():
+        served = r.vllm
         if served is None:
             continue
-        equal = served.get("greedy_equal_prompts")
-        rows.append({"drafter": drafter, "tau decoder": m["tau"], "tau vLLM": served["tau"],
-                     **{f"a{i} vLLM": served[f"accept_{i}"] for i in range(1, draft_positions(served) + 1)},
-                     "output = target's": f"{equal}/{m['prompts']}" if equal is not None else "not checked",
-                     "tok/s": served["tokens_per_s"], "tok/s target alone": alone,
+        equal = served.greedy_equal_prompts
+        rows.append({"drafter": drafter, "tau decoder": r.primary.tau, "tau vLLM": served.tau,
+                     **{f"a{i} vLLM": share for i, share in enumerate(served.per_position, 1)},
+                     "output = target's": f"{equal}/{r.prompts}" if equal is not None else "not checked",
+                     "tok/s": served.tokens_per_s, "tok/s target alone": alone,
                      "speed-up": speedups.get(drafter),
-                     "hardware": f"{served['hardware']}, {served['concurrency']} in flight"})
+                     "hardware": f"{served.hardware}, {served.concurrency} in flight"})
     return pd.DataFrame(rows)
 
 
@@ -133,17 +129,16 @@ def tau_by_set_table(metrics: dict[str, dict]) -> pd.DataFrame:
     """One row per benchmark set and temperature measured (the primary, then the sampled one), with its prompts
     and each drafter's tau; then the overall rows."""
     evals = _evals(metrics)
-    at = {d: {_at(measured): measured for measured in _measurements(m)} for d, m in evals.items()}
+    at = {d: {_at(measured): measured for measured in _measurements(r)} for d, r in evals.items()}
     temperatures = list(dict.fromkeys(label for by_t in at.values() for label in by_t))
-    names = list(dict.fromkeys(name for m in evals.values() for name in m.get("tau_by_set", {})))
+    names = list(dict.fromkeys(name for r in evals.values() for name in r.primary.tau_by_set))
     rows = [{"set": name, "temperature": t,
-             "prompts": next((m["prompts_by_set"][name] for m in evals.values() if name in m.get("prompts_by_set", {})),
-                             None),
-             **{d: by_t[t].get("tau_by_set", {}).get(name) if t in by_t else None for d, by_t in at.items()}}
+             "prompts": next((r.prompts_by_set[name] for r in evals.values() if name in r.prompts_by_set), None),
+             **{d: by_t[t].tau_by_set.get(name) if t in by_t else None for d, by_t in at.items()}}
             for name in names for t in temperatures]
     if evals:
-        rows += [{"set": "overall", "temperature": t, "prompts": next(iter(evals.values()))["prompts"],
-                  **{d: by_t[t]["tau"] if t in by_t else None for d, by_t in at.items()}} for t in temperatures]
+        rows += [{"set": "overall", "temperature": t, "prompts": next(iter(evals.values())).prompts,
+                  **{d: by_t[t].tau if t in by_t else None for d, by_t in at.items()}} for t in temperatures]
     return pd.DataFrame(rows, columns=["set", "temperature", "prompts", *evals])
 
 
@@ -180,12 +175,12 @@ def headline(metrics: dict[str, dict]) -> dict:
     eval.temperature, and at eval.sampled_temperature as tau_sampled), tau and the served speed-up measured on
     vLLM, the simulator's last tau per trained drafter, each stage's wall time and their sum."""
     times = {stage: metrics[stage]["time"]["stage_s"] for stage in STAGES if stage in metrics}
-    evals = {drafter: metrics[f"eval-{drafter}"] for drafter in EvalDrafter if f"eval-{drafter}" in metrics}
-    served = {drafter: m["vllm"] for drafter, m in evals.items() if "vllm" in m}
-    sampled = {drafter: m["sampled"]["tau"] for drafter, m in evals.items() if "sampled" in m}
-    return {"tau": {drafter: m["tau"] for drafter, m in evals.items()},
+    evals = _evals(metrics)
+    served = {drafter: r.vllm for drafter, r in evals.items() if r.vllm}
+    sampled = {drafter: r.sampled.tau for drafter, r in evals.items() if r.sampled}
+    return {"tau": {drafter: r.primary.tau for drafter, r in evals.items()},
             **({"tau_sampled": sampled} if sampled else {}),
-            **({"tau_vllm": {drafter: m["tau"] for drafter, m in served.items()},
+            **({"tau_vllm": {drafter: s.tau for drafter, s in served.items()},
                 "speedup_vllm": served_speedups(metrics)} if served else {}),
             "sim_tau": {init: metrics[f"train-{init}"]["sim/tau"] for init in TrainInit
                         if "sim/tau" in metrics.get(f"train-{init}", {})},
@@ -204,13 +199,12 @@ def pipeline_metrics(metrics: dict[str, dict]) -> dict[str, float]:
     flat.update({f"speedup_vllm/{drafter}": ratio for drafter, ratio in top.get("speedup_vllm", {}).items()})
     flat.update({f"sim_tau/{init}": tau for init, tau in top["sim_tau"].items()})
     flat.update({f"time/{stage}_s": seconds for stage, seconds in top["time_s"].items()})
-    for drafter in top["tau"]:
-        m = metrics[f"eval-{drafter}"]
-        flat.update({f"tau/{drafter}/{name}": tau for name, tau in m.get("tau_by_set", {}).items()})
-        flat.update({f"a{i}/{drafter}": m[f"accept_{i}"] for i in range(1, draft_positions(m) + 1)
-                     if m[f"accept_{i}"] is not None})
-        if "lossless" in m:
-            flat[f"lossless/{drafter}"] = float(m["lossless"])
+    for drafter, r in _evals(metrics).items():
+        flat.update({f"tau/{drafter}/{name}": tau for name, tau in r.primary.tau_by_set.items()})
+        flat.update({f"a{i}/{drafter}": share for i, share in enumerate(r.primary.per_position, 1)
+                     if share is not None})
+        if r.output_check:
+            flat[f"lossless/{drafter}"] = float(r.output_check.lossless)
     if starts := engine_starts(metrics):
         flat["vllm/engine_starts"] = float(sum(n for n, _ in starts.values()))
     return flat
@@ -240,8 +234,8 @@ def acceptance_by_position(metrics: dict[str, dict]) -> pd.DataFrame:
 
 def acceptance_curve(metrics: dict[str, dict]) -> pd.DataFrame:
     """Long form (drafter, position, acceptance), for the PNG."""
-    rows = [{"drafter": d, "position": i, "acceptance": metrics[f"eval-{d}"][f"accept_{i}"]}
-            for d in EvalDrafter if f"eval-{d}" in metrics for i in range(1, draft_positions(metrics[f"eval-{d}"]) + 1)]
+    rows = [{"drafter": d, "position": i, "acceptance": share} for d, r in _evals(metrics).items()
+            for i, share in enumerate(r.primary.per_position, 1)]
     return pd.DataFrame(rows, columns=["drafter", "position", "acceptance"])
 
 
@@ -251,13 +245,14 @@ def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], pat
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     evals = _evals(metrics)
     for offset, sampled in ((-0.2, False), (0.2, True)):
-        shown = [(i, d, m["sampled"] if sampled else m) for i, (d, m) in enumerate(evals.items())
-                 if not sampled or "sampled" in m]
+        shown = [(i, d, r.sampled if sampled else r.primary) for i, (d, r) in enumerate(evals.items())
+                 if not sampled or r.sampled]
         if not shown:
             continue
-        errors = [[m["tau"] - m.get("tau_ci_low", m["tau"]) for _, _, m in shown],
-                  [m.get("tau_ci_high", m["tau"]) - m["tau"] for _, _, m in shown]]
-        bars = axes[0].bar([i + offset for i, _, _ in shown], [m["tau"] for _, _, m in shown], 0.4, yerr=errors,
+        intervals = [m.interval or (m.tau, m.tau) for _, _, m in shown]
+        errors = [[m.tau - low for (_, _, m), (low, _) in zip(shown, intervals)],
+                  [high - m.tau for (_, _, m), (_, high) in zip(shown, intervals)]]
+        bars = axes[0].bar([i + offset for i, _, _ in shown], [m.tau for _, _, m in shown], 0.4, yerr=errors,
                            capsize=3, color=[COLORS[d] for _, d, _ in shown], alpha=0.55 if sampled else 1.0,
                            hatch="//" if sampled else None)
         axes[0].bar_label(bars, fmt="%.2f", fontsize=8)
@@ -267,13 +262,12 @@ def plot(metrics: dict[str, dict], train_histories: dict[str, pd.DataFrame], pat
     axes[0].set(title="Acceptance length tau (95% CI)", ylabel="tokens per verification step")
     if evals:
         axes[0].legend(title="temperature")
-    for drafter, m in evals.items():
-        positions = list(range(1, draft_positions(m) + 1))
-        for measured in _measurements(m):
-            shares = [measured.get(f"accept_{i}") for i in positions]
-            if positions and None not in shares:  # an engine that gave no counts per position
-                axes[1].plot(positions, shares, marker="o", color=COLORS[drafter], label=f"{drafter} {_at(measured)}",
-                             linestyle="-" if measured is m else "--")
+    for drafter, r in evals.items():
+        for measured in _measurements(r):
+            shares = list(measured.per_position)
+            if shares and None not in shares:  # an engine that gave no counts per position
+                axes[1].plot(range(1, len(shares) + 1), shares, marker="o", color=COLORS[drafter],
+                             label=f"{drafter} {_at(measured)}", linestyle="-" if measured is r.primary else "--")
     axes[1].set(title="Per-position acceptance", xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
     axes[1].xaxis.get_major_locator().set_params(integer=True)
     if axes[1].lines:
@@ -345,10 +339,11 @@ def engine_starts(metrics: dict[str, dict]) -> dict[str, tuple[int, float]]:
     engines it started
     (0 where it found one running) and the seconds their starts took. A stage DVC did not re-run counts as it did
     when it ran."""
-    served = {"target_speed": metrics.get("target_speed", {}),
-              **{f"eval@{drafter}": metrics.get(f"eval-{drafter}", {}).get("vllm", {}) for drafter in EvalDrafter}}
-    starts = {stage: (m["engine_starts"], m.get("engine_start_s", 0.0)) for stage, m in served.items()
-              if "engine_starts" in m}
+    starts = {}
+    if "engine_starts" in (alone := metrics.get("target_speed", {})):
+        starts["target_speed"] = (alone["engine_starts"], alone.get("engine_start_s", 0.0))
+    starts.update({f"eval@{drafter}": (r.vllm.engine_starts, r.vllm.engine_start_s or 0.0)
+                   for drafter, r in _evals(metrics).items() if r.vllm and r.vllm.engine_starts is not None})
     if "engine_started" in (export := metrics.get("export", {})):
         starts["export"] = (export["engine_started"], export.get("engine_start_s", 0.0))
     return starts
@@ -383,8 +378,7 @@ def _served_section(metrics: dict[str, dict]) -> list[str]:
 def _elsewhere(metrics: dict[str, dict]) -> str | None:
     """Why a speed-up is missing: the target alone measured on other hardware than a drafter."""
     where = _target_alone_hardware(metrics)
-    other = sorted({m["vllm"]["hardware"] for d in EvalDrafter if "vllm" in (m := metrics.get(f"eval-{d}", {}))}
-                   - {where})
+    other = sorted({r.vllm.hardware for r in _evals(metrics).values() if r.vllm} - {where})
     if where is None or not other:
         return None
     return (f"No speed-up where the drafter was served on {', '.join(other)}: the target alone was measured on "

@@ -16,9 +16,10 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from eagle3ops.config import EvalDrafter
+from eagle3ops.decoding.results import Acceptance
 from eagle3ops.errors import InputError, UsageError
 from eagle3ops.fs import COMPARISON, atomic_dir, check_output
-from eagle3ops.reporting.summary import draft_positions, markdown_table
+from eagle3ops.reporting.summary import markdown_table
 from eagle3ops.runs.phases import PHASES, Phase
 from eagle3ops.runs.records import FINISHED, PipelineRecord, find_pipelines, load_pipeline, unfinished_pipelines
 from eagle3ops.tracking.run import LOAD_METRIC
@@ -95,18 +96,29 @@ def differing_params(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     return frame
 
 
+def _acceptance(record: PipelineRecord, drafter: str) -> Acceptance | None:
+    """The drafter's acceptance as the run's eval of it logged it; None where it has none."""
+    stage = record.stages.get(f"eval@{drafter}")
+    return None if stage is None else Acceptance.from_mlflow(stage.metrics)
+
+
+def _interval(measured: Acceptance | None) -> tuple[float | None, float | None]:
+    return measured.interval if measured and measured.interval else (None, None)
+
+
 def side_by_side(records: Sequence[PipelineRecord]) -> pd.DataFrame:
     """One column per run: tau and per-position acceptance per drafter, then seconds and tokens/s per phase.
     Rows no run recorded are left out."""
     rows: dict[str, list[float | None]] = {}
     for drafter in EvalDrafter:
-        stage = f"eval@{drafter}"
-        rows[f"{drafter} tau"] = [r.metric(stage, "tau") for r in records]
-        rows[f"{drafter} tau 95% low"] = [r.metric(stage, "tau_ci_low") for r in records]
-        rows[f"{drafter} tau 95% high"] = [r.metric(stage, "tau_ci_high") for r in records]
-        k = max((draft_positions(r.stages[stage].metrics) for r in records if stage in r.stages), default=0)
-        for i in range(1, k + 1):
-            rows[f"{drafter} a{i}"] = [r.metric(stage, f"accept_{i}") for r in records]
+        measured = [_acceptance(r, drafter) for r in records]
+        rows[f"{drafter} tau"] = [m.tau if m else None for m in measured]
+        intervals = [_interval(m) for m in measured]
+        rows[f"{drafter} tau 95% low"] = [low for low, _ in intervals]
+        rows[f"{drafter} tau 95% high"] = [high for _, high in intervals]
+        shares = [m.per_position if m else () for m in measured]
+        for i in range(max(map(len, shares), default=0)):
+            rows[f"{drafter} a{i + 1}"] = [s[i] if i < len(s) else None for s in shares]
     for phase in PHASES:
         rows[f"{phase.name} s"] = [phase.seconds(r) for r in records]
         if phase.rate_metric:
@@ -172,19 +184,17 @@ def load_warnings(records: Sequence[PipelineRecord]) -> list[str]:
 def _tau_deltas(reference: PipelineRecord, other: PipelineRecord) -> list[str]:
     deltas = []
     for drafter in EvalDrafter:
-        stage = f"eval@{drafter}"
-        ref, run = reference.metric(stage, "tau"), other.metric(stage, "tau")
-        if ref is not None and run is not None and not _same_run(stage, reference, other):
-            deltas.append(f"{drafter} {run - ref:+.2f} tau{_overlap(stage, reference, other)}")
+        ref, run = _acceptance(reference, drafter), _acceptance(other, drafter)
+        if ref and run and not _same_run(f"eval@{drafter}", reference, other):
+            deltas.append(f"{drafter} {run.tau - ref.tau:+.2f} tau{_overlap(ref, run)}")
     return deltas
 
 
-def _overlap(stage: str, reference: PipelineRecord, other: PipelineRecord) -> str:
+def _overlap(reference: Acceptance, other: Acceptance) -> str:
     """Whether the two runs' 95% intervals of tau overlap: then the change is not clearly more than noise."""
-    intervals = [(r.metric(stage, "tau_ci_low"), r.metric(stage, "tau_ci_high")) for r in (reference, other)]
-    if any(bound is None for interval in intervals for bound in interval):
+    if not (reference.interval and other.interval):
         return ""
-    (low_a, high_a), (low_b, high_b) = intervals
+    (low_a, high_a), (low_b, high_b) = reference.interval, other.interval
     return " (95% intervals overlap: within noise)" if low_a <= high_b and low_b <= high_a else ""
 
 
@@ -204,11 +214,11 @@ def within_runs(records: Sequence[PipelineRecord]) -> list[str]:
     """warm_start against scratch inside each run, with the optimizer steps each took to get there."""
     lines = []
     for record in records:
-        warm, scratch = record.metric("eval@warm_start", "tau"), record.metric("eval@scratch", "tau")
+        warm, scratch = _acceptance(record, "warm_start"), _acceptance(record, "scratch")
         if warm is None or scratch is None:
             continue
         warm_steps, scratch_steps = record.metric("train@warm_start", "steps"), record.metric("train@scratch", "steps")
-        line = f"{header(record)}: warm_start {warm - scratch:+.2f} tau vs scratch"
+        line = f"{header(record)}: warm_start {warm.tau - scratch.tau:+.2f} tau vs scratch"
         if warm_steps is not None and scratch_steps is not None:
             line += (f" at the same steps ({warm_steps:,.0f})" if warm_steps == scratch_steps
                      else f" at {warm_steps:,.0f} vs {scratch_steps:,.0f} steps")
@@ -269,11 +279,12 @@ def draw(records: Sequence[PipelineRecord]) -> plt.Figure:
     def offset(i: int) -> float:  # run i's bar within its group
         return (i - (len(records) - 1) / 2) * width
 
-    drafters = [d for d in EvalDrafter if any(r.metric(f"eval@{d}", "tau") is not None for r in records)]
+    drafters = [d for d in EvalDrafter if any(_acceptance(r, d) for r in records)]
     for i, run in enumerate(records):
-        values = [run.metric(f"eval@{d}", "tau") for d in drafters]
-        lows = [run.metric(f"eval@{d}", "tau_ci_low") for d in drafters]
-        highs = [run.metric(f"eval@{d}", "tau_ci_high") for d in drafters]
+        measured = [_acceptance(run, d) for d in drafters]
+        values = [m.tau if m else None for m in measured]
+        intervals = [_interval(m) for m in measured]
+        lows, highs = [low for low, _ in intervals], [high for _, high in intervals]
         xs = [j + offset(i) for j in range(len(drafters))]
         heights = [v if v is not None else float("nan") for v in values]
         errors = [[v - lo if None not in (v, lo) else 0 for v, lo in zip(values, lows)],
@@ -292,12 +303,12 @@ def draw(records: Sequence[PipelineRecord]) -> plt.Figure:
 
     for run in records:
         for drafter in drafters:
-            stage = run.stages.get(f"eval@{drafter}")
-            if stage is None:
+            measured = _acceptance(run, drafter)
+            if measured is None:
                 continue
-            k = draft_positions(stage.metrics)
-            rates = [stage.metrics[f"accept_{i}"] for i in range(1, k + 1)]
-            positions.plot(range(1, k + 1), rates, DRAFTER_STYLES[drafter], marker="o", color=colours[header(run)])
+            rates = list(measured.per_position)
+            positions.plot(range(1, len(rates) + 1), rates, DRAFTER_STYLES[drafter], marker="o",
+                           color=colours[header(run)])
     for drafter in drafters:  # the styles' legend, in no run's colour
         positions.plot([], [], DRAFTER_STYLES[drafter], color="grey", label=drafter)
     positions.set(title="acceptance by draft position", xlabel="draft position", ylabel="acceptance rate a_i",

@@ -6,22 +6,24 @@ with them. `eagle3ops validate-export --serve` serves an export exactly as SERVI
 from pathlib import Path
 
 from eagle3ops.config import Config, TrainInit
+from eagle3ops.decoding.results import EvalResult
 from eagle3ops.decoding.served import SMOKE_PROMPTS, drafts_in_session
 from eagle3ops.errors import InputError
 from eagle3ops.formats.export import export_drafter, serving_guide
 from eagle3ops.fs import atomic_dir, write_text_atomic
-from eagle3ops.tracking.metrics import read_metrics, record
+from eagle3ops.tracking.metrics import METRICS_DIR, read_metrics, record
 from eagle3ops.tracking.run import stage_run
 
 
 def champion() -> tuple[str, str]:
     """The trained drafter with the best tau in this pipeline's eval, leaving out any that changed the target's
     output; and why, in words."""
-    evals = {init: m for init in TrainInit if (m := read_metrics([f"eval-{init}"]).get(f"eval-{init}"))}
-    taus = {init: m["tau"] for init, m in evals.items() if m.get("lossless", True)}
-    if not taus and evals:
-        changed = ", ".join(f"metrics/eval-{init}.json ({m['mismatched_prompts'] - m.get('near_tie_prompts', 0)} of "
-                            f"{m['prompts']} prompts)" for init, m in evals.items())
+    evals = {init: EvalResult.read(m, f"{METRICS_DIR}/eval-{init}.json (stage eval@{init})") for init in TrainInit
+             if (m := read_metrics([f"eval-{init}"]).get(f"eval-{init}"))}
+    taus = {init: r.primary.tau for init, r in evals.items() if r.output_check is None or r.output_check.lossless}
+    if not taus and evals:  # each has an output check, and it failed
+        changed = ", ".join(f"metrics/eval-{init}.json ({r.output_check.changed_prompts} of {r.prompts} prompts)"
+                            for init, r in evals.items())
         raise InputError(f"export.drafter champion: every drafter changed the target's greedy output beyond a near-tie "
                          f"of its logits: {changed}; the eval log names each prompt and token. A drafter cannot "
                          "change what the target verifies: look for a decoder or target defect first (the baseline, "
