@@ -79,7 +79,8 @@ def _run(cfg: Config, init: str, world: distributed.World, device) -> None:
         with atomic_dir(out_dir) as out:
             save_drafter(draft.cpu(), out, state.to_dict())
         resume.clear()
-        print(f"train@{init}: {compile_cache.save(compile_cache.stage_output(f'train@{init}'), carried)}", flush=True)
+        if saved_line := compile_cache.save(compile_cache.stage_output(f"train@{init}"), carried):
+            print(f"train@{init}: {saved_line}", flush=True)
         _write_plots(destination(tracked, PLOTS_DIR), init, result.history)
         tracked.log_drafter_model(out_dir, init, {"target": cfg.target.id, "target.revision": str(cfg.target.revision)})
         record(tracked, f"train-{init}", {

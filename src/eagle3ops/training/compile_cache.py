@@ -120,7 +120,8 @@ def _differences(made_on: dict[str, str], machine: dict[str, str]) -> str:
 
 def save(output: Path, carried: dict[str, Path]) -> str:
     """`output` (stage_output's) written whole: this process's artifacts (every graph it compiled or loaded) as this
-    machine's entry, beside the carried entries of other machines; the line to print."""
+    machine's entry, beside the carried entries of other machines; the line to print, empty where there is nothing
+    to say (eager on a CPU, no entry of any machine)."""
     saved = torch.compiler.save_cache_artifacts()
     index = json.loads(carried[INDEX].read_text(encoding="utf-8")) if INDEX in carried else {}
     blobs = {key: carried[f"{key}.bin"].read_bytes() for key in index if f"{key}.bin" in carried}
@@ -137,5 +138,5 @@ def save(output: Path, carried: dict[str, Path]) -> str:
         (out / INDEX).write_text(json.dumps({key: index[key] for key in kept}, indent=1, sort_keys=True) + "\n",
                                  encoding="utf-8")
     if saved is None:
-        return f"compile cache: nothing compiled in this process; {len(kept)} entries carried over"
+        return f"compile cache: nothing compiled in this process; {len(kept)} entries carried over" if kept else ""
     return f"compile cache: this machine's graphs saved ({len(saved[0]) / 2**20:.1f} MiB) in {output}"
