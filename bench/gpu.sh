@@ -8,13 +8,14 @@
 #   bench/gpu.sh specforge   # epoch 1 from process start against SpecForge v0.2's trainer on the bench's own
 #                            # lengths, each cold (SPECFORGE_DIR: ../shared/anchors' files); the bare step at 8,192 and
 #                            # 16,384 tokens and where its GPU time goes (bench/profile_train_step.py)
+#   bench/gpu.sh specforge-start  # the cold start against SpecForge alone (cold, travelling and warm compile cache)
 # SIZE=tiny runs the same commands at the tiny scale (a check of the script; results to $OUT_DIR).
 set -euo pipefail
 size=${SIZE:-8b}
 out=${OUT_DIR:-bench/results}
 python=${PYTHON:-python3}
 run() { echo "+ $*" >&2; "$@"; }
-case ${1:?two-gpus, one-gpu, varlen, online, variants or specforge} in
+case ${1:?two-gpus, one-gpu, varlen, online, variants, specforge or specforge-start} in
   two-gpus)
     run "$python" -m torch.distributed.run --standalone --nproc-per-node 2 -m eagle3ops.cli bench --size "$size" \
         --parts train --out "$out/h200x2-ddp-train.json"
@@ -30,7 +31,7 @@ case ${1:?two-gpus, one-gpu, varlen, online, variants or specforge} in
     run "$python" -m eagle3ops.cli bench --size "$size" --parts online --out "$out/h200-online.json" ;;
   variants)
     run "$python" -m eagle3ops.cli bench --size "$size" --parts train-variants --out "$out/h200-train-variants.json" ;;
-  specforge)
+  specforge|specforge-start)
     sf=${SPECFORGE_DIR:?the folder holding specforge_bench.py and specforge-v0.2-*.tar.gz}
     work=$(mktemp -d)
     mkdir -p "$work/sf/specforge_src" && cp "$sf/specforge_bench.py" "$work/sf/"
@@ -40,8 +41,13 @@ varlen_lengths; print(json.dumps(varlen_lengths(SIZES['$size']())))" > "$work/le
     TORCHINDUCTOR_CACHE_DIR="$work/sf-cache/i" TRITON_CACHE_DIR="$work/sf-cache/t" \
       run "$python" "$work/sf/specforge_bench.py" varlen --lengths-file "$work/lengths.json" --epochs 2 \
       --out "$out/specforge-varlen.json"
+    if [ "$1" = specforge-start ]; then  # the cold start alone: cold, travelling and warm runs beside SpecForge's
+      run "$python" -m eagle3ops.cli bench --size "$size" --parts train-varlen --work-dir "$work/bench" \
+          --out "$out/train-varlen.json"
+      exit 0
+    fi
     run "$python" -m eagle3ops.cli bench --size "$size" --parts train train-varlen --kernels flex \
         --train-shapes 1x8192 1x16384 --work-dir "$work/bench" --out "$out/train-varlen.json"
     run "$python" bench/profile_train_step.py --lengths 8192 16384 --out "$out/train-profile.json" ;;
-  *) echo "usage: bench/gpu.sh two-gpus|one-gpu|varlen|online|variants|specforge" >&2; exit 2 ;;
+  *) echo "usage: bench/gpu.sh two-gpus|one-gpu|varlen|online|variants|specforge|specforge-start" >&2; exit 2 ;;
 esac
