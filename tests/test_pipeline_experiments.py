@@ -116,43 +116,47 @@ def test_a_stage_that_fails_under_dvc_repro_loses_nothing(repo):
     put back at once, and its drafter and curves come back with `dvc checkout`, as the message says. A missing
     drafter fails train@warm_start before its command starts: with the change undone, `dvc repro` brings back
     the last run's outputs from DVC's run cache without re-running the stage."""
-    cached = ("models/drafters/scratch", "plots/train-scratch.csv", "plots/sim-scratch.csv")
+    cached = ("models/drafters/scratch", "plots/train-scratch.csv", "plots/sim-scratch.csv",
+              "models/compile-cache/train-scratch")
     kept = {"metrics/train-scratch.json": (repo / "metrics" / "train-scratch.json").read_bytes()}
     curves = (repo / "plots" / "train-scratch.csv").read_bytes()
     drafter = lock_md5(repo, "train@scratch", "models/drafters/scratch")
-    write_params(repo, ["train.lr=fast"])
-    output = run(["dvc", "repro"], repo, fail=True)
-    assert "key 'train.lr'" in output and f"`dvc checkout {' '.join(cached)}` restores" in output, output
-    assert {path: (repo / path).read_bytes() for path in kept} == kept
-    assert not any((repo / path).exists() for path in cached)
-    run(["dvc", "checkout", *cached], repo)
-    assert (repo / "plots" / "train-scratch.csv").read_bytes() == curves
-    write_params(repo, [])
-    status = run(["dvc", "status", "train@scratch"], repo)  # the stage and those it depends on
-    assert "Data and pipelines are up to date" in status, status
-    assert lock_md5(repo, "train@scratch", "models/drafters/scratch") == drafter
+    try:
+        write_params(repo, ["train.lr=fast"])
+        output = run(["dvc", "repro"], repo, fail=True)
+        assert "key 'train.lr'" in output and f"`dvc checkout {' '.join(cached)}` restores" in output, output
+        assert {path: (repo / path).read_bytes() for path in kept} == kept
+        assert not any((repo / path).exists() for path in cached)
+        run(["dvc", "checkout", *cached], repo)
+        assert (repo / "plots" / "train-scratch.csv").read_bytes() == curves
+        write_params(repo, [])
+        status = run(["dvc", "status", "train@scratch"], repo)  # the stage and those it depends on
+        assert "Data and pipelines are up to date" in status, status
+        assert lock_md5(repo, "train@scratch", "models/drafters/scratch") == drafter
 
-    # the extract stage, a foreach of one item (extract@offline), alike
-    kept = {"metrics/extract.json": (repo / "metrics" / "extract.json").read_bytes()}
-    write_params(repo, ["extract.batch_size=many"])
-    output = run(["dvc", "repro", "extract"], repo, fail=True)
-    assert "key 'extract.batch_size'" in output and "`dvc checkout data/features` restores" in output, output
-    assert {path: (repo / path).read_bytes() for path in kept} == kept
-    run(["dvc", "checkout", "data/features"], repo)
-    write_params(repo, [])
-    assert "Data and pipelines are up to date" in run(["dvc", "status", "extract"], repo)
+        # the extract stage, a foreach of one item (extract@offline), alike
+        kept = {"metrics/extract.json": (repo / "metrics" / "extract.json").read_bytes()}
+        write_params(repo, ["extract.batch_size=many"])
+        output = run(["dvc", "repro", "extract"], repo, fail=True)
+        assert "key 'extract.batch_size'" in output and "`dvc checkout data/features` restores" in output, output
+        assert {path: (repo / path).read_bytes() for path in kept} == kept
+        run(["dvc", "checkout", "data/features"], repo)
+        write_params(repo, [])
+        assert "Data and pipelines are up to date" in run(["dvc", "status", "extract"], repo)
 
-    run(["dvc", "repro", "train@warm_start"], repo)  # its lock still holds an experiment's params
-    outputs = ("metrics/train-warm_start.json", "plots/train-warm_start.csv",
-               "models/drafters/warm_start/model.safetensors")
-    kept = {path: (repo / path).read_bytes() for path in outputs}
-    write_params(repo, ["train.warm_start=models/nowhere"])
-    output = run(["dvc", "repro", "train@warm_start"], repo, fail=True)
-    assert "models/nowhere" in output and "Running stage" not in output, output
-    write_params(repo, [])
-    output = run(["dvc", "repro", "train@warm_start"], repo)
-    assert "Running stage" not in output and "is cached" in output, output
-    assert {path: (repo / path).read_bytes() for path in outputs} == kept
+        run(["dvc", "repro", "train@warm_start"], repo)  # its lock still holds an experiment's params
+        outputs = ("metrics/train-warm_start.json", "plots/train-warm_start.csv",
+                   "models/drafters/warm_start/model.safetensors")
+        kept = {path: (repo / path).read_bytes() for path in outputs}
+        write_params(repo, ["train.warm_start=models/nowhere"])
+        output = run(["dvc", "repro", "train@warm_start"], repo, fail=True)
+        assert "models/nowhere" in output and "Running stage" not in output, output
+        write_params(repo, [])
+        output = run(["dvc", "repro", "train@warm_start"], repo)
+        assert "Running stage" not in output and "is cached" in output, output
+        assert {path: (repo / path).read_bytes() for path in outputs} == kept
+    finally:  # a failure here leaves no bad value for the file's later tests
+        write_params(repo, [])
 
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")  # Debian's packages
