@@ -103,7 +103,7 @@ def test_graphs_saved_by_one_process_are_loaded_by_a_fresh_one_with_an_empty_cac
     """A real round trip through Inductor on the CPU: one process compiles a step (forward and backward) and saves
     the stage's output beside five entries of other machines; a second, with an empty local cache, loads this
     machine's entry, compiles nothing, and saves the same graphs again (what it loaded is its to pass on). Starts
-    two Python processes that compile (about 45 s on 2 cores)."""
+    two Python processes that compile (82 s alone on 2 cores; its own tiny step: no fixture builds one)."""
     output = tmp_path / "compile-cache" / "train-scratch"
     others = {f"gpu{n}": _another_machine(device=f"GPU {n}") for n in range(5)}
     _write_entries(output, {machine_key(made_on): (made_on, name.encode()) for name, made_on in others.items()})

@@ -213,11 +213,9 @@ def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
             if target.is_file() and (found := _md5(target)) != md5:
                 changed.append(f"{path}: md5 {found}, dvc.lock records {md5}")
             continue
-        cache = dvc_cache_dir(root)
-        listing = cache / md5[:2] / md5[2:] if cache else None
-        if listing is None or not listing.is_file():
+        recorded = {name: md5_ for name, (md5_, _) in dir_listing(md5, root).items()}
+        if not recorded:
             continue
-        recorded = {entry["relpath"]: entry["md5"] for entry in json.loads(listing.read_text(encoding="utf-8"))}
         present = {p.relative_to(target).as_posix(): p for p in files}
         for name in sorted(recorded.keys() | present.keys()):
             if name not in present or name not in recorded:
@@ -225,6 +223,17 @@ def changed_inputs(md5s: dict[str, str], root: Path) -> list[str]:
             elif _md5(present[name]) != recorded[name]:
                 changed.append(f"{path}/{name}: its bytes are not the ones dvc.lock records (md5 {recorded[name]})")
     return changed
+
+
+def dir_listing(md5: str, root: Path) -> dict[str, tuple[str, Path]]:
+    """{relative path: (its md5, its object in DVC's cache)} of the directory output DVC recorded as `md5`
+    (ending in .dir); empty where the cache does not hold the listing."""
+    cache = dvc_cache_dir(root)
+    listing = cache / md5[:2] / md5[2:] if cache else None
+    if listing is None or not listing.is_file():
+        return {}
+    return {entry["relpath"]: (entry["md5"], cache / entry["md5"][:2] / entry["md5"][2:])
+            for entry in json.loads(listing.read_text(encoding="utf-8"))}
 
 
 def _md5(path: Path) -> str:

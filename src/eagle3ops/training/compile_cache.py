@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from eagle3ops.fs import WORK_DIR, atomic_dir
-from eagle3ops.tracking.lineage import dvc_cache_dir, lock_stages
+from eagle3ops.tracking.lineage import dir_listing, lock_stages
 
 # Inductor's and Triton's caches of this checkout, kept for the next process (a resumed or re-run stage, the next
 # experiment); TORCHINDUCTOR_CACHE_DIR, when set, names another place. The entries below fill it on a new machine.
@@ -74,15 +74,8 @@ def last_entries(stage: str, root: Path = Path(".")) -> dict[str, Path]:
         return folder_entries(root / output)
     recorded = [out for out in lock_stages(root / "dvc.lock").get(stage, {}).get("outs") or []
                 if out.get("path") == output.as_posix() and str(out.get("md5", "")).endswith(".dir")]
-    cache = dvc_cache_dir(root.resolve()) if recorded else None
-    if cache is None:
-        return {}
-    listing = cache / recorded[0]["md5"][:2] / recorded[0]["md5"][2:]
-    if not listing.is_file():
-        return {}
-    objects = {entry["relpath"]: cache / entry["md5"][:2] / entry["md5"][2:]
-               for entry in json.loads(listing.read_text(encoding="utf-8"))}
-    return {name: path for name, path in objects.items() if path.is_file()}
+    listing = dir_listing(recorded[0]["md5"], root.resolve()) if recorded else {}
+    return {name: path for name, (_, path) in listing.items() if path.is_file()}
 
 
 def folder_entries(folder: Path) -> dict[str, Path]:
