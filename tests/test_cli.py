@@ -84,10 +84,13 @@ def test_help_loads_no_stage_and_no_heavy_library():
                 or name in ("torch", "mlflow")]
 
 
-def test_the_bench_renders_its_tables_without_mlflow():
-    """The GPU machines the bench runs on may have no MLflow: its report module must not need it."""
+def test_the_bench_trains_and_renders_without_mlflow():
+    """The GPU machines the bench runs on may have no MLflow: neither its training processes (the train stage's loop
+    and compile cache) nor its report module may need it."""
     loaded = subprocess.run([sys.executable, "-c", "import sys\nimport eagle3ops.benchmark.report\n"
-                             "import eagle3ops.reporting.summary\nprint('mlflow' in sys.modules)"],
+                             "import eagle3ops.reporting.summary\nimport eagle3ops.benchmark.varlen\n"
+                             "import eagle3ops.benchmark.training\nimport eagle3ops.training.compile_cache\n"
+                             "import eagle3ops.training.loop\nprint('mlflow' in sys.modules)"],
                             capture_output=True, text=True, check=True).stdout.split()
     assert loaded == ["False"]
 

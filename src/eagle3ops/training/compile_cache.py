@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from eagle3ops.fs import WORK_DIR, atomic_dir
-from eagle3ops.tracking.lineage import dir_listing, lock_stages
 
 # Inductor's and Triton's caches of this checkout, kept for the next process (a resumed or re-run stage, the next
 # experiment); TORCHINDUCTOR_CACHE_DIR, when set, names another place. The entries below fill it on a new machine.
@@ -69,6 +68,10 @@ def last_entries(stage: str, root: Path = Path(".")) -> dict[str, Path]:
     """{file name: a readable copy} of the stage's last output: the folder itself where it is still there (the stage
     run without DVC), else the files dvc.lock records for it, from DVC's cache (`dvc repro` removed the folder).
     Empty where neither has it: a first run, or a cache that `dvc pull` did not fill."""
+    # Here, not at the top: the lineage module brings MLflow, which the training loop (the bench's processes, a GPU
+    # machine with the trainer alone) neither needs nor waits for at its start.
+    from eagle3ops.tracking.lineage import dir_listing, lock_stages
+
     output = stage_output(stage)
     if (root / output / INDEX).is_file():
         return folder_entries(root / output)
