@@ -657,7 +657,7 @@ class MlflowConfig(Section):
 class Config(Section):
     seed: int = 0
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (cpu_reproducible: $OMP_NUM_THREADS, else 2)
-    # the same bits on every x86-64 CPU with AVX2: the CPU kernels and thread count pinned (reproducible.py)
+    # the same bits on every Intel x86-64 CPU with AVX2: the CPU kernels and thread count pinned (reproducible.py)
     cpu_reproducible: bool = True
     # the same bits run after run on one GPU model: cuBLAS's and Inductor's deterministic settings (reproducible.py)
     gpu_deterministic: bool = True

@@ -1,4 +1,5 @@
-"""The reproducible modes: on a CPU (params `cpu_reproducible`) the same bits on every x86-64 CPU that has AVX2; on a
+"""The reproducible modes: on a CPU (params `cpu_reproducible`) the same bits on every Intel x86-64 CPU that has AVX2
+(MKL keeps its own path on an AMD CPU: MKL_CBWR=AVX2 is not honoured there, docs/runs.md); on a
 GPU (params `gpu_deterministic`) the same bits run after run on one card model.
 
 On a CPU the kernels are chosen by the processor: ATen runs its AVX-512 kernels where the CPU has them, MKL picks a

@@ -7,7 +7,8 @@ the recorded lock, and each stage metric with the recorded run.
 
 What to expect (`expectation`): the same bytes where they can come back, i.e. the same torch and thread count, on
 CPUs only or with gpu_deterministic on both sides and the same GPU model, and either both sides pinned the CPU
-kernels (cpu_reproducible: any x86-64 CPU with AVX2 computes the same bits) or both ran on the same CPU model;
+kernels on Intel CPUs (cpu_reproducible: any Intel x86-64 CPU with AVX2 computes the same bits; MKL ignores the pin
+on AMD's) or both ran on the same CPU model;
 otherwise (another torch or GPU, a GPU's kernels chosen by timing, unpinned kernels on another CPU) only the
 figures, each eval's τ inside the recorded 95% interval.
 """
@@ -82,11 +83,17 @@ def expectation(record: PipelineRecord, here: dict, threads_here: int, pinned_he
             return Expectation(False, f"GPUs {sorted(facts['gpu_models'])} then, {here['gpu_models']} here: other "
                                       f"kernels")
         gpu = f"gpu_deterministic on both sides on {here['gpu_models']}; "
-    if facts["cpu_kernels_pinned"] == {"True"} and pinned_here:
+    pinned = facts["cpu_kernels_pinned"] == {"True"} and pinned_here
+    if pinned and all("Intel" in model for model in facts["cpu_model"] | {str(here["cpu_model"])}):
         return Expectation(True, f"{gpu}CPU kernels pinned to AVX2 (cpu_reproducible) on both sides, {threads_here} "
-                                 f"threads, torch {here['torch']}: any x86-64 CPU with AVX2 computes the same bits")
+                                 f"threads, torch {here['torch']}: any Intel x86-64 CPU with AVX2 computes the same "
+                                 f"bits")
     if facts["cpu_model"] == {str(here["cpu_model"])}:
         return Expectation(True, f"{gpu}the same CPU model ({here['cpu_model']}), torch and threads")
+    if pinned:
+        return Expectation(False, f"{sorted(facts['cpu_model'])} then, {here['cpu_model']} here: MKL takes the "
+                                  f"pinned AVX2 branch on Intel CPUs alone (on an AMD CPU it keeps its own, "
+                                  f"CNR:AUTO), so their matrix products round otherwise")
     return Expectation(False, f"this CPU's own kernels (cpu_reproducible off) on {sorted(facts['cpu_model'])} "
                               f"then, {here['cpu_model']} here: they round otherwise")
 
